@@ -1,0 +1,158 @@
+"""Random feature maps phi with phi(x) . phi(y) ~ exp(x . y) (or, for ReLU, a kernel of its own).
+
+Inputs `x` are queries or keys already multiplied by sqrt(scale), so exp(x . y) is the unnormalised softmax weight.
+Every map returns a pair `(base, log_scale)` with
+
+    phi(x) = base * exp(log_scale)[..., None]          # base (..., L, m'), log_scale (..., L)
+
+where `base` is bounded (at most 1 for the exponential maps). Keeping the per-token scale apart is what makes the
+attention numerically safe: per query row it cancels exactly, and for keys it is subtracted by its maximum before it is
+ever exponentiated. `materialize` puts the two back together for inspection.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KERNELS = ("favor+", "hyperbolic", "favor++", "trig", "relu")
+POSITIVE_KERNELS = ("favor+", "hyperbolic", "favor++", "relu")
+
+
+def materialize(base: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """phi(x) from a `(base, log_scale)` pair. Overflows for large norms: for tests and inspection only."""
+    return base * log_scale.exp().unsqueeze(-1)
+
+
+def _split_log_features(log_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(u) as (exp(u - max_f u), max_f u): the max over features of each row."""
+    log_scale = log_features.amax(dim=-1)
+    return (log_features - log_scale.unsqueeze(-1)).exp(), log_scale
+
+
+def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x.pow(2).sum(dim=-1)  # (..., L)
+
+
+EXP_KERNELS = ("favor+", "hyperbolic", "favor++")
+
+
+def exp_logits(
+    x: torch.Tensor, projection: torch.Tensor, kernel: str, a: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exponential feature maps as phi(x) = exp(u - offset[..., None]) / sqrt(m'), returned as `(u, offset)`.
+
+    `u` (..., L, m') carries everything that varies across features and `offset` (..., L) the per-token terms, so
+    the attention kernel can subtract stabilisers and exponentiate in place, in one pass. The 1/sqrt(m') is left out:
+    a constant cancels in attention.
+    """
+    if kernel == "favor+":
+        return x @ projection.T, _half_sq_norm(x)  # (..., L, m), (..., L)
+    if kernel == "hyperbolic":
+        wx = x @ projection.T
+        return torch.cat([wx, -wx], dim=-1), _half_sq_norm(x)  # (..., L, 2m)
+    if kernel == "favor++":
+        if a is None:
+            raise ValueError("the favor++ feature map needs `a` (see favor_plus_plus_a)")
+        d = projection.shape[1]
+        a = torch.as_tensor(a, dtype=x.dtype, device=x.device)
+        one_minus_4a = 1 - 4 * a  # (...) per batch element and head, or a scalar
+        # B w.x + A |w|^2 as one matmul: x gets a column of ones, the projection a column A |w|^2
+        w_sq = projection.pow(2).sum(-1)  # (m,)
+        scaled = torch.sqrt(one_minus_4a)[..., None, None] * projection  # (..., m, d)
+        bias = a[..., None] * w_sq  # (..., m)
+        augmented = torch.cat([scaled, bias.unsqueeze(-1).expand(scaled.shape[:-1] + (1,))], dim=-1)  # (..., m, d+1)
+        x1 = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # (..., L, d+1)
+        log_d = 0.25 * d * torch.log(one_minus_4a)
+        return x1 @ augmented.transpose(-1, -2), _half_sq_norm(x) - log_d[..., None]
+    raise ValueError(f"{kernel!r} is not an exponential feature map; those are {EXP_KERNELS}")
+
+
+def _exp_features(x, projection, kernel, a=None):
+    u, offset = exp_logits(x, projection, kernel, a)
+    base, row_max = _split_log_features(u)
+    return base, row_max - offset - 0.5 * math.log(u.shape[-1])
+
+
+def positive_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FAVOR+ positive features: phi(x) = exp(w . x - |x|^2 / 2) / sqrt(m). Unbiased for exp(x . y), always > 0."""
+    return _exp_features(x, projection, "favor+")
+
+
+def hyperbolic_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hyperbolic positive features: [exp(w.x), exp(-w.x)] * exp(-|x|^2 / 2) / sqrt(2m). Lower variance, 2m columns."""
+    return _exp_features(x, projection, "hyperbolic")
+
+
+def favor_plus_plus_a(q: torch.Tensor, k: torch.Tensor, q_mask=None, k_mask=None) -> torch.Tensor:
+    """The variance-optimal A of FAVOR++ (Likhosherstov et al., 2022) for the (scaled) queries and keys given.
+
+    A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16 with rho = mean over query/key pairs of |q + k|^2 / d, computed
+    from means and mean squared norms in O(L d). Masks (`(..., L)`, True = real token) keep padding out of the
+    statistics. Returns A with shape `q.shape[:-2]` (one value per batch element and head); always negative.
+    """
+    d = q.shape[-1]
+
+    def moments(x, mask):
+        if mask is None:
+            return x.pow(2).sum(-1).mean(-1), x.mean(-2)
+        w = mask.to(x.dtype)
+        count = w.sum(-1).clamp_min(1.0)
+        return (x.pow(2).sum(-1) * w).sum(-1) / count, (x * w.unsqueeze(-1)).sum(-2) / count.unsqueeze(-1)
+
+    q_sq, q_mean = moments(q, q_mask)
+    k_sq, k_mean = moments(k, k_mask)
+    rho = (q_sq + k_sq + 2 * (q_mean * k_mean).sum(-1)) / d
+    return (1 - 2 * rho - torch.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
+
+
+def favor_plus_plus_features(
+    x: torch.Tensor, projection: torch.Tensor, a: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FAVOR++ optimal positive features: f(w, x) = D exp(A |w|^2 + B w.x - |x|^2 / 2) / sqrt(m).
+
+    B = sqrt(1 - 4A), D = (1 - 4A)^(d/4), A < 1/8; A = 0 is FAVOR+. Unbiased for exp(x . y) for any such A when the
+    rows of `projection` are marginally N(0, I_d). `a` is a float or a tensor broadcastable to `x.shape[:-2]`.
+    """
+    return _exp_features(x, projection, "favor++", a)
+
+
+def trig_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trigonometric random Fourier features: exp(|x|^2 / 2) [sin(w.x), cos(w.x)] / sqrt(m).
+
+    Unbiased but not positive: the attention normaliser can reach zero or go negative. For comparison only.
+    """
+    m = projection.shape[0]
+    wx = x @ projection.T
+    base = torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(m)  # (..., L, 2m)
+    return base, _half_sq_norm(x)
+
+
+def relu_features(x: torch.Tensor, projection: torch.Tensor, eps: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's generalized attention (Performer-ReLU): phi(x) = (relu(w . x) + eps) / sqrt(m).
+
+    Not an approximation of softmax: its own kernel, positive by construction.
+    """
+    m = projection.shape[0]
+    base = (torch.relu(x @ projection.T) + eps) / math.sqrt(m)
+    return base, torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
+
+
+def feature_map(
+    x: torch.Tensor, projection: torch.Tensor, kernel: str, a: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch to the feature map of `kernel` (one of `KERNELS`); `a` is FAVOR++'s A."""
+    if kernel == "favor+":
+        return positive_features(x, projection)
+    if kernel == "hyperbolic":
+        return hyperbolic_features(x, projection)
+    if kernel == "favor++":
+        if a is None:
+            raise ValueError("the favor++ feature map needs `a` (see favor_plus_plus_a)")
+        return favor_plus_plus_features(x, projection, a)
+    if kernel == "trig":
+        return trig_features(x, projection)
+    if kernel == "relu":
+        return relu_features(x, projection)
+    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

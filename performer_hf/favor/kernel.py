@@ -1,0 +1,301 @@
+"""FAVOR attention: softmax attention approximated with random features in O(L) time and memory.
+
+    out_i = sum_j phi(q_i) . phi(k_j) v_j / sum_j phi(q_i) . phi(k_j)
+
+computed as phi(Q) (phi(K)^T V) and phi(Q) (phi(K)^T 1), never forming the (Lq, Lk) matrix outside a causal chunk.
+
+Numerics: feature maps and sums run in float32 (float64 stays float64) whatever the input dtype, and the output is cast
+back. Each feature row is split into a bounded base and a log scale (see `features`): a query row's scale cancels
+between numerator and denominator, and keys are stabilised by subtracting the maximum log scale over the real keys
+(features and sequence), a constant that cancels too. Padded keys get zero features, so they count neither in the
+numerator nor in the normaliser. In the causal form the key maximum is a running one, carried with the state and
+rescaled as it grows, so results never depend on future tokens and a one-token step is the same computation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .features import EXP_KERNELS, KERNELS, exp_logits, favor_plus_plus_a, feature_map
+
+
+@dataclass
+class FavorState:
+    """The recurrent state of causal FAVOR attention after some prefix of tokens.
+
+    Attributes:
+        kv (`torch.Tensor` of shape `(B, H, m', Dv + 1)`): sum over the prefix of phi(k_j) [v_j, 1]^T, stabilised;
+            the last column is the normaliser sum phi(k_j).
+        max_log_scale (`torch.Tensor` of shape `(B, H)`): the running key stabiliser; `kv` is scaled by
+            exp(-max_log_scale). -inf while no real key has been seen.
+        a (`torch.Tensor` of shape `(B, H)`, *optional*): FAVOR++'s A, fixed when the state was started.
+
+    Its size is independent of the number of tokens seen.
+    """
+
+    kv: torch.Tensor
+    max_log_scale: torch.Tensor
+    a: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.kv, self.max_log_scale, self.a) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def index_select(self, batch_index: torch.Tensor) -> FavorState:
+        """The state of the chosen batch rows (beam search reordering)."""
+        pick = lambda t: None if t is None else t.index_select(0, batch_index.to(t.device))  # noqa: E731
+        return FavorState(pick(self.kv), pick(self.max_log_scale), pick(self.a))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_inputs(q, k, v, projection, kernel, key_padding_mask):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, heads, length, dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k, v shapes do not match: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(f"projection must be (num_features, {q.shape[-1]}), got {tuple(projection.shape)}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"key_padding_mask must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
+                         f"got {tuple(key_padding_mask.shape)}")
+
+
+class _FeatureMap:
+    """The feature map of one attention call, applied block by block in the compute dtype.
+
+    Query rows are exp(u - max_f u) (their scale cancels). Keys are kept as `(u, offset)` with
+    phi(k_j) ~ exp(u_j - offset_j) for the exponential kernels and u_j * exp(-offset_j) for the others, so that the
+    stabiliser can be subtracted before anything is exponentiated. Working on blocks of a few MB keeps large
+    temporaries out of the allocator (on CPU a fresh 200 MB tensor costs more in page faults than the exp itself).
+    """
+
+    def __init__(self, projection, kernel, root, dtype, rep, a):
+        # x @ projection.T runs about twice as fast on CPU when projection.T is contiguous
+        self.projection = projection.to(dtype=dtype).T.contiguous().T
+        self.kernel, self.root, self.dtype, self.rep, self.a = kernel, root, dtype, rep, a
+        self.exp_family = kernel in EXP_KERNELS
+
+    def _scaled(self, x, is_key=False):
+        x = x.to(self.dtype) * self.root
+        return x.repeat_interleave(self.rep, dim=1) if is_key and self.rep > 1 else x
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        q = self._scaled(q)
+        if not self.exp_family:
+            return feature_map(q, self.projection, self.kernel)[0]
+        u, _ = exp_logits(q, self.projection, self.kernel, self.a)  # (B, H, C, m')
+        return u.sub_(u.detach().amax(dim=-1, keepdim=True)).exp_()
+
+    def keys(self, k: torch.Tensor, mask: torch.Tensor | None):
+        """`(u, offset, log_scale)`: log_scale = max_f log phi(k_j), -inf for padding, whose offset is +inf."""
+        k = self._scaled(k, is_key=True)
+        if self.exp_family:
+            u, offset = exp_logits(k, self.projection, self.kernel, self.a)  # (B, H, C, m'), (B, H, C)
+            log_scale = u.detach().amax(dim=-1) - offset.detach()
+        else:
+            u, log_scale = feature_map(k, self.projection, self.kernel)
+            offset, log_scale = -log_scale, log_scale.detach()
+        if mask is not None:
+            log_scale = log_scale.masked_fill(~mask, float("-inf"))
+            offset = offset.masked_fill(~mask, float("inf"))  # padded keys become exact zeros below
+        return u, offset, log_scale
+
+    def stabilised(self, u, offset, stabiliser):
+        """Key features scaled by exp(-stabiliser) (B, H)."""
+        shift = offset + stabiliser.unsqueeze(-1)  # (B, H, C)
+        if self.exp_family:
+            return u.sub_(shift.unsqueeze(-1)).exp_()
+        scale = torch.where(torch.isinf(shift), 0.0, (-shift).exp())  # relu's eps must not survive on padding
+        return u * scale.unsqueeze(-1)
+
+
+def _prepare(q, k, projection, kernel, scale, key_padding_mask, a):
+    """Check shapes, pick the compute dtype and FAVOR++'s A; return the feature map and the (B, 1, Lk) mask."""
+    cdtype = _compute_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    root = math.sqrt(scale)  # exp(scale q.k) = exp(q~ . k~) with q~ = sqrt(scale) q, k~ = sqrt(scale) k
+    rep = q.shape[1] // k.shape[1]  # grouped-query attention: each key/value head serves `rep` query heads
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)[:, None, :]
+    if kernel == "favor++" and a is None:
+        qs, ks = q.to(cdtype) * root, k.to(cdtype) * root
+        ks = ks.repeat_interleave(rep, dim=1) if rep > 1 else ks
+        # self-attention (Lq == Lk): padded queries are the padded keys, and stay out of the statistics too
+        q_mask = mask if mask is not None and q.shape[2] == k.shape[2] else None
+        a = favor_plus_plus_a(qs, ks, q_mask, mask)
+    return _FeatureMap(projection.to(q.device), kernel, root, cdtype, rep, a), mask
+
+
+def _values(v, rep, dtype):
+    """Values with a column of ones: one matmul then gives both the numerator and the normaliser."""
+    v = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+    return torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, C, Dv + 1)
+
+
+def _finite_or(x: torch.Tensor, fallback: torch.Tensor | float) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, fallback)
+
+
+def _normalise(out1: torch.Tensor) -> torch.Tensor:
+    """Split (..., Dv + 1) into numerator / normaliser. A query that sees no real key gets 0, never NaN."""
+    denominator = out1[..., -1:]
+    return out1[..., :-1] / torch.where(denominator == 0, 1.0, denominator)
+
+
+def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
+    """Add one block of keys to the running sums (rescaled to the new key maximum).
+
+    With `causal_q` (the block's query features), also return the block's causal outputs.
+    """
+    u, offset, log_scale = fmap.keys(k_c, mask_c)
+    new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
+    safe_max = _finite_or(new_max, 0.0)
+    rescale = (_finite_or(running_max, safe_max) - safe_max).exp()  # shrink the carried sums to the new max
+    k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, C, m')
+    v1 = _values(v_c, fmap.rep, fmap.dtype)  # (B, H, C, Dv + 1)
+    kv1 = kv1 * rescale[..., None, None]
+    out = None
+    if causal_q is not None:
+        scores = torch.tril(causal_q @ k_feat.transpose(-1, -2))  # (B, H, C, C), within the block
+        out = _normalise(scores @ v1 + causal_q @ kv1)  # (B, H, C, Dv)
+    return kv1 + k_feat.transpose(-1, -2) @ v1, new_max, out
+
+
+def _block_size(rows: int, features: int) -> int:
+    """Tokens per block so that a block of features is about 16 MB."""
+    return max(64, (1 << 22) // max(1, rows * features))
+
+
+def _empty_state(fmap, q, v):
+    batch, heads = q.shape[0], q.shape[1]
+    num_feat = fmap.projection.shape[0] * (1 if fmap.kernel in ("favor+", "favor++", "relu") else 2)
+    kv1 = torch.zeros(batch, heads, num_feat, v.shape[-1] + 1, dtype=fmap.dtype, device=q.device)
+    return kv1, torch.full((batch, heads), float("-inf"), dtype=fmap.dtype, device=q.device)
+
+
+def favor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    projection: torch.Tensor,
+    kernel: str = "favor+",
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    a: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Random-feature approximation of `softmax(scale * q k^T) v`.
+
+    Args:
+        q (`torch.Tensor` of shape `(B, H, Lq, D)`), k (`(B, Hkv, Lk, D)`), v (`(B, Hkv, Lk, Dv)`):
+            Queries, keys and values; Hkv may divide H (grouped-query attention).
+        projection (`torch.Tensor` of shape `(m, D)`): random projection from `draw_projection`.
+        kernel (`str`, *optional*, defaults to `"favor+"`): `"favor+"`, `"hyperbolic"`, `"favor++"`, `"trig"`
+            (comparison only) or `"relu"` (generalized attention, its own kernel).
+        causal (`bool`, *optional*, defaults to `False`): token i attends to keys 0..i (needs Lq == Lk).
+        key_padding_mask (`torch.Tensor` of shape `(B, Lk)`, *optional*): True for real tokens, False for padding.
+        chunk_size (`int`, *optional*, defaults to 64): tokens per block of the causal form.
+        scale (`float`, *optional*): softmax temperature, defaults to 1/sqrt(D).
+        a (`float` or `torch.Tensor` of shape `(B, H)`, *optional*): FAVOR++'s A; by default computed from the
+            statistics of the real tokens of this q and k (in causal mode this uses the whole sequence).
+
+    Returns:
+        `torch.Tensor` of shape `(B, H, Lq, Dv)` in the dtype of `q`.
+
+    Example:
+        >>> q = k = v = torch.randn(1, 2, 10, 16)
+        >>> w = draw_projection(64, 16, generator=torch.Generator().manual_seed(0))
+        >>> favor_attention(q, k, v, projection=w).shape
+        torch.Size([1, 2, 10, 16])
+    """
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    if causal:
+        out, _ = causal_favor_attention(
+            q, k, v, projection=projection, kernel=kernel, key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size, scale=scale, a=a,
+        )
+        return out
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    kv1, running_max = _empty_state(fmap, q, v)
+    block = _block_size(q.shape[0] * q.shape[1], fmap.projection.shape[0])
+    for start in range(0, k.shape[2], block):
+        c = slice(start, start + block)
+        kv1, running_max, _ = _accumulate(fmap, k[:, :, c], v[:, :, c], None if mask is None else mask[..., c],
+                                          kv1, running_max)
+    # kv1 is now relative to the maximum over all real keys; any common scale cancels in the quotient
+    outputs = [_normalise(fmap.queries(q[:, :, s : s + block]) @ kv1) for s in range(0, q.shape[2], block)]
+    return torch.cat(outputs, dim=2).to(q.dtype)  # (B, H, Lq, Dv)
+
+
+def causal_favor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    projection: torch.Tensor,
+    kernel: str = "favor+",
+    key_padding_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    a: torch.Tensor | float | None = None,
+    state: FavorState | None = None,
+) -> tuple[torch.Tensor, FavorState]:
+    """Causal FAVOR attention continuing from `state` (None: from the start); returns the output and the new state.
+
+    Within a chunk of `chunk_size` tokens the masked (C, C) product is used; across chunks the prefix sums
+    sum phi(k) [v, 1]^T are carried. Time O(L C m + L m Dv), memory O(L Dv + C m + m Dv): no per-token (m, Dv) tensor
+    is ever formed. A call with one token is the recurrent generation step; prefill followed by steps equals one call
+    on the whole sequence. Arguments as in `favor_attention`; `a` is ignored when `state` already carries one.
+    """
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if state is not None and state.a is not None:
+        a = state.a
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    if state is None:
+        kv1, running_max = _empty_state(fmap, q, v)
+    else:
+        kv1, running_max = state.kv.to(fmap.dtype), state.max_log_scale.to(fmap.dtype)
+    outputs = []
+    for start in range(0, q.shape[2], chunk_size):
+        c = slice(start, start + chunk_size)
+        kv1, running_max, out = _accumulate(fmap, k[:, :, c], v[:, :, c], None if mask is None else mask[..., c],
+                                            kv1, running_max, causal_q=fmap.queries(q[:, :, c]))
+        outputs.append(out)
+    out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
+    a_state = None if fmap.a is None else torch.as_tensor(fmap.a, dtype=fmap.dtype, device=q.device)
+    a_state = None if a_state is None else a_state.expand(q.shape[0], q.shape[1])
+    return out.to(q.dtype), FavorState(kv1, running_max, a_state)
+
+
+def favor_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: FavorState | None,
+    *,
+    projection: torch.Tensor,
+    kernel: str = "favor+",
+    scale: float | None = None,
+) -> tuple[torch.Tensor, FavorState]:
+    """One recurrent step of causal FAVOR attention: q, k, v of shape (B, H, 1, D); O(m Dv) work and memory."""
+    if q.shape[2] != 1:
+        raise ValueError(f"favor_step takes one token at a time, got {q.shape[2]}")
+    return causal_favor_attention(q, k, v, projection=projection, kernel=kernel, scale=scale, state=state)
