@@ -1,3 +1,24 @@
-"""performer_hf: turn pretrained Hugging Face Transformers into Performers (FAVOR+ linear attention)."""
+"""performer_hf: turn pretrained Hugging Face Transformers into Performers (FAVOR+ linear attention).
+
+>>> import performer_hf
+>>> model = performer_hf.convert(model, performer_hf.PerformerConfig(num_features=256))  # doctest: +SKIP
+"""
+
+from .architectures import supported_types
+from .config import PerformerConfig
+from .conversion import (
+    convert,
+    converted_modules,
+    from_pretrained,
+    is_converted,
+    performer_settings,
+    redraw_projections,
+    revert,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "PerformerConfig", "convert", "converted_modules", "from_pretrained", "is_converted", "performer_settings",
+    "redraw_projections", "revert", "supported_types", "__version__",
+]

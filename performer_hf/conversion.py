@@ -1,0 +1,244 @@
+"""Convert a loaded transformers model to FAVOR attention in place, revert it, save and load it.
+
+The steps follow one rule: validate everything before changing anything, so that a refused conversion leaves the
+model exactly as it was. Walk (find the self-attention modules) -> check (architecture, head sizes, not converted
+yet) -> attach (one `FavorAttention` per module, then switch the attention implementation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoConfig, PreTrainedModel
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
+from . import attention
+from .architectures import ArchitectureSpec, lookup, position_limit
+from .attention import ATTN_IMPLEMENTATION, FavorAttention
+from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
+
+_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder",
+               "trust_remote_code")
+_PROJECTION_SUFFIX = "performer.projection"
+
+
+def converted_modules(model: torch.nn.Module) -> dict[str, FavorAttention]:
+    """The FAVOR modules of a converted model, by the name of the attention module that owns each."""
+    return {name.removesuffix(".performer"): m for name, m in model.named_modules() if isinstance(m, FavorAttention)}
+
+
+def is_converted(model: torch.nn.Module) -> bool:
+    return bool(converted_modules(model))
+
+
+def _find_attention(model: PreTrainedModel, spec: ArchitectureSpec) -> list[tuple[str, torch.nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module).__name__ in spec.attention_classes and not getattr(module, "is_cross_attention", False)
+    ]
+
+
+def _head_dim(module: torch.nn.Module, config) -> int:
+    for attr in ("head_dim", "attention_head_size"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(value)
+
+
+def _check_length_hook(limit: int, model_type: str):
+    def hook(module, args, kwargs):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None or tokens.dim() < 2:
+            return
+        past = kwargs.get("past_key_values")
+        seen = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+        if seen + tokens.shape[1] > limit:
+            raise ValueError(
+                f"{seen + tokens.shape[1]} tokens exceed the {limit} positions of this {model_type} model's learned "
+                f"position table; truncate the input, or convert with max_position_embeddings=N to extend the table "
+                f"(then fine-tune at the new length)."
+            )
+
+    return hook
+
+
+def convert(model: PreTrainedModel, config: PerformerConfig | None = None, **overrides: Any) -> PreTrainedModel:
+    """Give every self-attention layer of `model` a FAVOR module, in place, reusing its Q/K/V/O weights untouched.
+
+    Args:
+        model (`PreTrainedModel`): a loaded transformers model of a supported `model_type` (any head class).
+        config (`PerformerConfig`, *optional*): the settings; defaults to `PerformerConfig()`.
+        overrides: fields of `PerformerConfig` to change, e.g. `num_features=512`.
+
+    Returns:
+        The same model object, converted. `performer_hf.converted_modules(model)` lists what changed and
+        `performer_hf.revert(model)` undoes it.
+
+    Raises:
+        ValueError: unsupported architecture, already converted, or bad settings. The model is left untouched.
+
+    Example:
+        >>> from transformers import BertConfig, BertModel
+        >>> model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        ...                              intermediate_size=128))
+        >>> model = convert(model, num_features=32)
+        >>> sorted(converted_modules(model))
+        ['encoder.layer.0.attention.self', 'encoder.layer.1.attention.self']
+    """
+    # --- check ---
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"convert takes a transformers PreTrainedModel, got {type(model).__name__}")
+    config = (config or PerformerConfig()).replace(**overrides) if overrides else (config or PerformerConfig())
+    spec = lookup(model.config.model_type)
+    if is_converted(model):
+        raise ValueError("this model is already converted; call performer_hf.revert(model) first to convert it "
+                         "again, or performer_hf.redraw_projections(model) for fresh projections")
+    if not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation, so it cannot be "
+                         "converted")
+    targets = _find_attention(model, spec)
+    if not targets:
+        raise ValueError(f"found no self-attention module ({', '.join(spec.attention_classes)}) in "
+                         f"{type(model).__name__}")
+    head_dims = [_head_dim(module, model.config) for _, module in targets]
+
+    # --- attach ---
+    attention.register()
+    generator = torch.Generator().manual_seed(config.seed)
+    for (_, module), head_dim in zip(targets, head_dims, strict=True):
+        device = next(module.parameters()).device
+        module.performer = FavorAttention(config, head_dim, generator=generator).to(device)
+    previous = model.config._attn_implementation
+    meta = dict(getattr(model.config, CONFIG_KEY, None) or {})
+    model.config.__dict__[CONFIG_KEY] = {
+        "format_version": FORMAT_VERSION,
+        "settings": config.to_dict(),
+        "base_model": meta.get("base_model") or model.config._name_or_path or None,
+        "original_attn_implementation": meta.get("original_attn_implementation") or previous,
+        "converted_modules": [name for name, _ in targets],
+    }
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    limit = position_limit(spec, model.config)
+    if limit is not None:
+        handle = model.register_forward_pre_hook(_check_length_hook(limit, spec.model_type), with_kwargs=True)
+        model.__dict__["_performer_hooks"] = [handle]
+    return model
+
+
+def revert(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `convert` in place: drop the FAVOR modules and restore the original attention implementation."""
+    modules = converted_modules(model)
+    if not modules:
+        raise ValueError("this model is not converted: nothing to revert")
+    for name in modules:
+        owner = model.get_submodule(name)
+        del owner.performer
+    for handle in model.__dict__.pop("_performer_hooks", []):
+        handle.remove()
+    meta = model.config.__dict__.pop(CONFIG_KEY, None) or {}
+    model.set_attn_implementation(meta.get("original_attn_implementation") or "sdpa")
+    return model
+
+
+def redraw_projections(model: torch.nn.Module, generator: torch.Generator | None = None) -> int:
+    """Draw fresh projections for every converted layer; returns how many were redrawn.
+
+    Pass the same seeded generator on every process to keep replicas identical.
+    """
+    modules = converted_modules(model)
+    if not modules:
+        raise ValueError("this model is not converted: there are no projections to redraw")
+    for module in modules.values():
+        module.redraw(generator)
+    return len(modules)
+
+
+def performer_settings(config) -> PerformerConfig | None:
+    """The `PerformerConfig` saved in a transformers config, or None for an unconverted model."""
+    meta = getattr(config, CONFIG_KEY, None)
+    if not isinstance(meta, dict) or "settings" not in meta:
+        return None
+    return PerformerConfig.from_dict(meta["settings"])
+
+
+def _weight_files(path: str, hub_kwargs: dict) -> list[str]:
+    single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    if single is not None:
+        return [single]
+    index = cached_file(path, SAFE_WEIGHTS_INDEX_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    if index is None:
+        raise ValueError(f"{path} has no safetensors weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
+    with open(index) as f:
+        shards = sorted({file for key, file in json.load(f)["weight_map"].items() if key.endswith(_PROJECTION_SUFFIX)})
+    return [cached_file(path, shard, **hub_kwargs) for shard in shards]
+
+
+def _load_projections(model: PreTrainedModel, path: str, hub_kwargs: dict) -> None:
+    wanted = {f"{name}.performer.projection": module for name, module in converted_modules(model).items()}
+    found = {}
+    for file in _weight_files(path, hub_kwargs):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if key.endswith(_PROJECTION_SUFFIX):
+                    found[key] = f.get_tensor(key)
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise ValueError(f"{path} lacks the saved projections of {len(missing)} layers (first: {missing[0]}); "
+                         "was it saved with save_pretrained after performer_hf.convert?")
+    with torch.no_grad():
+        for key, module in wanted.items():
+            module.projection.copy_(found[key])
+
+
+class _DropProjectionNotices(logging.Filter):
+    """transformers reports the saved projections as unexpected keys of the softmax model; they are not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _PROJECTION_SUFFIX not in record.getMessage()
+
+
+def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
+    """Load a converted model saved with `save_pretrained` (a local directory or a Hub id).
+
+    Rebuilds the head class named in `config.architectures`, converts it with the saved settings and loads the saved
+    projections, so outputs are bit-identical to the model that was saved. `kwargs` go to the model class's
+    `from_pretrained` (e.g. `dtype`, `revision`, `token`).
+
+    Example:
+        >>> model = performer_hf.from_pretrained("bert-performer")  # doctest: +SKIP
+    """
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    config = AutoConfig.from_pretrained(path_or_hub_id, **hub_kwargs)
+    settings = performer_settings(config)
+    if settings is None:
+        raise ValueError(
+            f"{path_or_hub_id} has no Performer settings in its config.json: it is not a converted model. Load it "
+            f"with transformers and call performer_hf.convert(model), or run `performer-hf convert {path_or_hub_id}`."
+        )
+    architecture = (config.architectures or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None:
+        raise ValueError(f"{path_or_hub_id}: config.architectures names {architecture!r}, which this transformers "
+                         f"({transformers.__version__}) does not provide")
+    quiet = _DropProjectionNotices()
+    loggers = [logging.getLogger(n) for n in ("transformers.modeling_utils", "transformers.utils.loading_report")]
+    for log in loggers:
+        log.addFilter(quiet)
+    try:
+        model = model_class.from_pretrained(path_or_hub_id, config=config, **kwargs)
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)
+    convert(model, settings)
+    _load_projections(model, path_or_hub_id, hub_kwargs)
+    return model
