@@ -61,11 +61,14 @@ def tiny_model(model_type: str, head: str | None = None, seed: int = 0, **overri
     return cls(tiny_config(model_type, **overrides)).eval()
 
 
+QUERY_KEYS = ("query.weight", "q_lin.weight", "q_proj.weight", "q_norm.weight", "k_norm.weight")
+
+
 def sharpen_attention(model, factor: float) -> None:
     """Scale the query weights: factor < 1 makes attention near-uniform, where few features suffice."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if any(key in name for key in ("query.weight", "q_lin.weight", "q_proj.weight", "q_norm.weight", "k_norm.weight")):
+            if any(key in name for key in QUERY_KEYS):
                 param.mul_(factor)
             elif "c_attn.weight" in name:  # GPT-2's fused Conv1D: the first third of the output columns is q
                 param[:, : param.shape[1] // 3].mul_(factor)
@@ -74,7 +77,8 @@ def sharpen_attention(model, factor: float) -> None:
                 view = param.view(heads, 3, -1, param.shape[-1])
                 view[:, 0].mul_(factor)
             elif "qkv_proj.weight" in name:  # Phi-3: q rows first
-                q_rows = model.config.num_attention_heads * (model.config.hidden_size // model.config.num_attention_heads)
+                cfg = model.config
+                q_rows = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
                 param[:q_rows].mul_(factor)
 
 
@@ -90,3 +94,42 @@ def inputs(batch=2, length=12, seed=0, pad_last=0, left=False):
             mask[-1, -pad_last:] = 0
             ids[-1, -pad_last:] = 0
     return ids, mask
+
+
+def tiny_tokenizer(model_type: str = "bert"):
+    """A word-level fast tokenizer over the package's sentences, with VOCAB ids (built locally, no download)."""
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from performer_hf.fidelity import builtin_sentences
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    if model_type in ("roberta", "xlm-roberta", "camembert"):
+        special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # pad id 1, as the tiny config says
+    words = []
+    for sentence in builtin_sentences():
+        for word in re.findall(r"\w+|[^\w\s]", sentence.lower()):
+            if word not in words:
+                words.append(word)
+    vocab = {token: i for i, token in enumerate(special + words[: VOCAB - len(special)])}
+    unk = "<unk>" if "<unk>" in vocab else "[UNK]"
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    if model_type in CAUSAL:
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, pad_token=special[0],
+                                       eos_token=special[3], bos_token=special[2], model_max_length=128)
+    cls, sep = ("<s>", "</s>") if unk == "<unk>" else ("[CLS]", "[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    mask, pad = ("<mask>", "<pad>") if unk == "<unk>" else ("[MASK]", "[PAD]")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, pad_token=pad, cls_token=cls,
+                                   sep_token=sep, mask_token=mask, model_max_length=128)
+
+
+def save_tiny(directory, model_type: str = "bert", head: str | None = None, **overrides):
+    """Save a tiny model and its tokenizer as a local checkpoint directory; returns its path as a string."""
+    tiny_model(model_type, head=head, **overrides).save_pretrained(directory)
+    tiny_tokenizer(model_type).save_pretrained(directory)
+    return str(directory)

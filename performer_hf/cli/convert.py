@@ -1,0 +1,93 @@
+"""`performer-hf convert MODEL --out DIR`: load, convert, report fidelity, save (and optionally push)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NAME = "convert"
+HELP = "convert a Hub checkpoint or local model directory to a Performer and report its fidelity"
+POSITIONAL = (("model", "a Hub id (e.g. bert-base-uncased) or a local model directory"),)
+
+
+@dataclass
+class Args:
+    out: str = field(metadata={"help": "output directory (written atomically)"})
+    task: str = field(default="auto", metadata={"help": "which head to load; auto reads config.architectures",
+                                                 "choices": ["auto", "base", "masked-lm", "causal-lm",
+                                                             "sequence-classification"]})
+    num_features: int = field(default=256, metadata={"help": "random features per layer"})
+    kernel: str = field(default="favor+", metadata={"help": "feature map",
+                                                    "choices": ["favor+", "hyperbolic", "favor++", "trig", "relu"]})
+    projection: str = field(default="orthogonal", metadata={"help": "random projection",
+                                                            "choices": ["orthogonal", "gaussian", "structured"]})
+    seed: int = field(default=0, metadata={"help": "seed of the projections"})
+    max_length: int | None = field(default=None, metadata={"help": "longest input in tokens; the tokenizer's limit "
+                                                                   "is set to it (must fit the position table)"})
+    eval_file: str | None = field(default=None, metadata={"help": "text file, one sentence per line, for the "
+                                                                  "fidelity report (default: built-in sentences)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a non-empty --out"})
+    push_to_hub: str | None = field(default=None, metadata={"help": "also upload to this Hub repository"})
+    private: bool = field(default=False, metadata={"help": "with --push-to-hub: create a private repository"})
+
+
+def run(args: Args, model: str) -> int:
+    from .. import fidelity
+    from ..architectures import lookup, position_limit
+    from ..config import PerformerConfig
+    from ..conversion import convert
+    from ..hub import atomic_output_dir, check_output_dir, load_pretrained, model_card, push_directory
+    from . import UsageError
+
+    out = Path(args.out)
+    try:
+        check_output_dir(out, args.overwrite)
+        settings = PerformerConfig(num_features=args.num_features, kernel=args.kernel, projection=args.projection,
+                                   seed=args.seed)
+    except (FileExistsError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    texts = fidelity.builtin_sentences()
+    if args.eval_file:
+        path = Path(args.eval_file)
+        if not path.is_file():
+            raise UsageError(f"--eval-file {path}: no such file")
+        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not texts:
+            raise UsageError(f"--eval-file {path} has no non-empty lines")
+
+    loaded, tokenizer, task = load_pretrained(model, args.task)
+    limit = position_limit(lookup(loaded.config.model_type), loaded.config)
+    if args.max_length is not None:
+        if limit is not None and args.max_length > limit:
+            raise UsageError(f"--max-length {args.max_length} exceeds the {limit} positions of this model's learned "
+                             "position table")
+        tokenizer.model_max_length = args.max_length
+    eval_length = min(x for x in (args.max_length, limit, 128) if x is not None)
+    if tokenizer.pad_token is None:  # GPT-style tokenizers: pad with EOS for the batched fidelity pass
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
+    reference = fidelity.outputs(loaded, batch)
+    convert(loaded, settings)
+    loaded.config.performer["base_model"] = model
+    is_lm = task in ("masked-lm", "causal-lm")
+    metrics = fidelity.compare(reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)
+    report = fidelity.format_report(metrics)
+
+    with atomic_output_dir(out, overwrite=args.overwrite) as tmp:
+        loaded.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "fidelity.json").write_text(json.dumps({"texts": len(texts), **metrics}, indent=1) + "\n")
+        (tmp / "README.md").write_text(model_card(base_model=model, task=task, settings=settings, metrics=metrics,
+                                                  report=report, model_type=loaded.config.model_type,
+                                                  location=args.push_to_hub or str(out)))
+    n = len(loaded.config.performer["converted_modules"])
+    print(f"converted {n} attention layers of {model} ({loaded.config.model_type}, {task}) -> {out}")
+    print(report)
+    print("A converted model needs a short fine-tune to recover its accuracy: performer-hf finetune "
+          f"{out} --out {out}-finetuned --distill")
+    if args.push_to_hub:
+        url = push_directory(out, args.push_to_hub, private=args.private,
+                             commit_message=f"Performer conversion of {model}")
+        print(f"pushed {out} to {args.push_to_hub}: {url}")
+    return 0

@@ -1,0 +1,205 @@
+"""Loading from and publishing to the Hugging Face Hub: clear errors, atomic output directories, model cards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .config import PerformerConfig
+
+TASKS = ("auto", "base", "masked-lm", "causal-lm", "sequence-classification")
+TASK_CLASSES = {
+    "base": "AutoModel",
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+}
+PIPELINE_TAGS = {"base": "feature-extraction", "masked-lm": "fill-mask", "causal-lm": "text-generation",
+                 "sequence-classification": "text-classification"}
+
+
+class LoadError(OSError):
+    """A model or tokenizer that could not be loaded, with what to do about it."""
+
+
+def load_error_message(model_id: str, err: BaseException) -> str:
+    """One line saying why `model_id` could not be loaded and what to try."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    looks_local = model_id.startswith((".", "/", "~")) or os.sep in model_id.rstrip(os.sep).split(os.sep, 1)[-1]
+    if looks_local and not Path(model_id).expanduser().exists():
+        return f"{model_id}: no such directory"
+    if isinstance(err, GatedRepoError) or "gated" in text.lower():
+        return (f"{model_id} is a gated model: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN), "
+                "or pass a local directory")
+    if isinstance(err, RepositoryNotFoundError) or "not a valid model identifier" in text:
+        return (f"{model_id} was not found on the Hub (misspelt, private without a token, or not a model); "
+                "pass a Hub id like 'bert-base-uncased' or a local directory")
+    if constants.HF_HUB_OFFLINE:
+        return (f"cannot load {model_id} in offline mode (HF_HUB_OFFLINE=1) and it is not in the local cache; "
+                "pass a local directory")
+    return (f"cannot load {model_id} ({text}); if the Hub is unreachable, pass a local directory, or set "
+            "HF_HUB_OFFLINE=1 to use the local cache")
+
+
+def resolve_task(config, task: str) -> str:
+    """The task from `config.architectures` when `task == "auto"`."""
+    if task != "auto":
+        return task
+    architecture = (config.architectures or [""])[0]
+    if architecture.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if architecture.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if architecture.endswith("ForSequenceClassification"):
+        return "sequence-classification"
+    return "base"
+
+
+def load_pretrained(model_id: str, task: str = "auto", **kwargs):
+    """Load `(model, tokenizer, task)` for conversion; every failure is a `LoadError` or a `ValueError` (unsupported
+    architecture, checked from the config before any weights are fetched)."""
+    import transformers
+
+    from .architectures import lookup
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError) as err:
+        raise LoadError(load_error_message(model_id, err)) from err
+    lookup(config.model_type)  # refuse unsupported architectures before downloading weights
+    task = resolve_task(config, task)
+    try:
+        model = getattr(transformers, TASK_CLASSES[task]).from_pretrained(model_id, config=config, **kwargs)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError) as err:
+        raise LoadError(load_error_message(model_id, err)) from err
+    return model.eval(), tokenizer, task
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Write into a temporary directory beside `out`; rename it to `out` only when the block completes.
+
+    On any failure the temporary directory is removed and an existing `out` is left as it was.
+    """
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_card(*, base_model: str | None, task: str, settings: PerformerConfig, metrics: dict | None,
+               report: str | None, model_type: str, location: str, finetuned: str | None = None) -> str:
+    """README.md with Hub metadata and a body saying what was converted, how well it matches, how to use it."""
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(
+        base_model=base_model if base_model and not Path(base_model).exists() else None,
+        library_name="performer-hf",
+        pipeline_tag=PIPELINE_TAGS.get(task),
+        tags=["performer", "favor", "linear-attention", "performer-hf", model_type],
+    )
+    finetune_task = task if task in ("masked-lm", "causal-lm") else "masked-lm"
+    settings_rows = "\n".join(f"| {k} | {v} |" for k, v in settings.to_dict().items())
+    source = base_model or "a local model"
+    fidelity = report or "(not measured)"
+    status = finetuned or ("Converted without fine-tuning: a converted model starts away from its original and "
+                           "needs a short fine-tune (see below) to recover its accuracy.")
+    body = f"""
+# {model_type} Performer converted from {source}
+
+Every self-attention layer of [{source}]({'https://huggingface.co/' + base_model if data.base_model else ''}) runs
+FAVOR attention (random-feature approximation of softmax attention, Choromanski et al. 2020) instead of exact
+softmax attention: linear time and memory in the sequence length. The query, key, value and output weights are the
+original ones; each layer adds a random projection, saved in the weights file.
+
+{status}
+
+## Settings
+
+| setting | value |
+|---|---|
+{settings_rows}
+
+## Fidelity to the original model
+
+Measured on held-out sentences, converted vs original on the same tokens:
+
+{fidelity}
+
+## Use
+
+```python
+import performer_hf
+
+model = performer_hf.from_pretrained("{location}")
+```
+
+Loading it with plain `transformers` gives the original softmax model (the projections are then unused).
+
+## Fine-tune
+
+```bash
+performer-hf finetune {location} --out {location.rstrip('/').split('/')[-1]}-finetuned --task {finetune_task} --distill
+```
+"""
+    return f"---\n{data.to_yaml()}\n---\n{body}"
+
+
+def push_directory(directory: Path, repo_id: str, *, private: bool = False, commit_message: str | None = None) -> str:
+    """Upload `directory` to the Hub repository `repo_id` (created if missing); returns the commit URL.
+
+    The token comes from the usual places (HF_TOKEN, or the saved `hf auth login`) and is never printed. The
+    directory is only read.
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: it is not a saved model directory")
+    if get_token() is None:
+        raise PermissionError("no Hugging Face token: set HF_TOKEN or run `hf auth login`; nothing was uploaded")
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
+                                 commit_message=commit_message or f"Upload Performer from {directory.name}",
+                                 ignore_patterns=[".*", "checkpoints/*"])
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        why = {401: "the token was refused", 403: "the token has no write access to this repository"}.get(
+            status, f"the Hub answered HTTP {status}")
+        raise PermissionError(f"push to {repo_id} failed: {why}; {directory} is unchanged") from err
+    except ValueError:  # a malformed repository id: its own message says what is wrong
+        raise
+    except Exception as err:  # transport failures (huggingface_hub's HTTP client raises its own, non-OSError types)
+        raise ConnectionError(f"push to {repo_id} failed: the Hub is unreachable ({type(err).__name__}); "
+                              f"{directory} is unchanged") from err
+    return str(getattr(info, "commit_url", info))

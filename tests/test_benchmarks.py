@@ -1,0 +1,22 @@
+"""The benchmark script runs end to end on tiny lengths and writes its table, JSON and plot (it is not a test of
+speed: speed targets are checked by running it, see the README)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_attention_benchmark_runs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--lengths", "128", "256", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 8  # {bidirectional, causal} x {fwd, fwd+bwd} x 2 lengths
+    assert all(row["favor"]["seconds"] > 0 and row["sdpa"]["seconds"] > 0 for row in rows)
+    assert "| causal fwd | 256 |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "attention.png").stat().st_size > 10_000

@@ -1,0 +1,207 @@
+"""The command line end to end on tiny local models; uploads go to a loopback fake Hub."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fake_hub import FakeHub
+from tiny_models import inputs, save_tiny, tiny_model
+
+import performer_hf
+from performer_hf.cli import main
+
+CONSOLE = Path(sys.executable).parent / "performer-hf"
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    with FakeHub() as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        yield hub
+
+
+@pytest.fixture
+def bert_dir(tmp_path):
+    return save_tiny(tmp_path / "tiny-bert", "bert")
+
+
+def no_leftovers(parent: Path):
+    return not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_convert_writes_a_directory_that_loads_to_the_same_model(bert_dir, tmp_path, capsys):
+    out = tmp_path / "bert-performer"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "16", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "converted 2 attention layers" in printed and "top-1 prediction agreement" in printed
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "fidelity.json"} <= {
+        p.name for p in out.iterdir()}
+    loaded = performer_hf.from_pretrained(str(out)).eval()
+    expected = performer_hf.convert(tiny_model("bert"), num_features=16, seed=3)
+    ids, mask = inputs(pad_last=2)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits,
+                           expected(input_ids=ids, attention_mask=mask).logits)
+    assert loaded.config.performer["base_model"] == bert_dir
+    assert no_leftovers(tmp_path)
+
+
+def test_model_card_has_hub_metadata_and_the_fidelity(bert_dir, tmp_path):
+    out = tmp_path / "card"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8", "--kernel", "favor++"]) == 0
+    card = (out / "README.md").read_text()
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    for line in ("library_name: performer-hf", "pipeline_tag: fill-mask", "- performer", "- favor",
+                 "- linear-attention"):
+        assert line in front
+    assert "| kernel | favor++ |" in body and "top-1 prediction agreement" in body
+    assert "performer_hf.from_pretrained" in body and "performer-hf finetune" in body and "needs a short" in body
+
+
+def test_causal_model_and_base_task(tmp_path, capsys):
+    src = save_tiny(tmp_path / "tiny-gpt2", "gpt2")
+    assert main(["convert", src, "--out", str(tmp_path / "a"), "--num-features", "16"]) == 0
+    assert "(gpt2, causal-lm)" in capsys.readouterr().out
+    assert main(["convert", src, "--out", str(tmp_path / "b"), "--task", "base", "--num-features", "16"]) == 0
+    assert "hidden-state cosine" in capsys.readouterr().out
+    assert type(performer_hf.from_pretrained(str(tmp_path / "b"))).__name__ == "GPT2Model"
+
+
+def test_existing_output_is_refused_without_overwrite(bert_dir, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", bert_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty; pass --overwrite" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["convert", bert_dir, "--out", str(out), "--overwrite", "--num-features", "8"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert no_leftovers(tmp_path)
+
+
+def test_missing_directory_and_unknown_hub_id(tmp_path, capsys, fake_hub):
+    out = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "nope"), "--out", str(out)]) == 1
+    assert "nope: no such directory" in capsys.readouterr().err
+    assert main(["convert", "nobody/no-such-model", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "nobody/no-such-model" in err and "local directory" in err and "Traceback" not in err
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_offline_hub_id_says_so(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([str(CONSOLE), "convert", "someone/some-model", "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "offline mode (HF_HUB_OFFLINE=1)" in result.stderr and "local directory" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path, capsys):
+    import transformers
+
+    src = tmp_path / "neo"
+    cfg = transformers.GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                    attention_types=[[["global", "local"], 1]])
+    transformers.GPTNeoForCausalLM(cfg).save_pretrained(src)
+    assert main(["convert", str(src), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "'gpt_neo' cannot be converted" in err and "Supported: albert, bert" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_flags_are_usage_errors(bert_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--kernel", "softmax"])
+    assert exit_info.value.code == 2
+    assert main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--num-features", "0"]) == 2
+    assert "num_features must be a positive integer" in capsys.readouterr().err
+    assert main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--max-length", "4096"]) == 2
+    assert "exceeds the 128 positions" in capsys.readouterr().err
+
+
+def test_push_uploads_the_files_and_card(bert_dir, tmp_path, fake_hub, capsys):
+    out = tmp_path / "p"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8"]) == 0
+    assert main(["push", str(out), "me/bert-performer", "--private", "--commit-message", "first"]) == 0
+    repo = fake_hub.repos["me/bert-performer"]
+    assert repo["private"] and repo["commits"] == ["first"]
+    assert set(repo["files"]) == {p.name for p in out.iterdir()}
+    assert repo["files"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert b"library_name: performer-hf" in repo["files"]["README.md"]
+    assert not fake_hub.unexpected
+    assert fake_hub.token not in capsys.readouterr().out
+
+
+def test_convert_can_push_in_the_same_call(bert_dir, tmp_path, fake_hub):
+    out = tmp_path / "cp"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8", "--push-to-hub", "me/x"]) == 0
+    assert "config.json" in fake_hub.repos["me/x"]["files"]
+
+
+def _listing(directory: Path):
+    return sorted((p.name, p.stat().st_size) for p in directory.iterdir())
+
+
+def test_failed_pushes_say_why_and_keep_the_directory(bert_dir, tmp_path, fake_hub, monkeypatch, capsys):
+    out = tmp_path / "keep"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8"]) == 0
+    before = _listing(out)
+
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    assert main(["push", str(out), "me/y"]) == 1
+    assert "the token was refused" in capsys.readouterr().err
+
+    monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+    fake_hub.deny_writes = True
+    assert main(["push", str(out), "other/y"]) == 1
+    assert "no write access" in capsys.readouterr().err
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-home"))
+    assert main(["push", str(out), "me/y"]) == 1
+    assert "no Hugging Face token" in capsys.readouterr().err
+
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_TOKEN", fake_hub.token)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert main(["push", str(out), "me/y"]) == 1
+    assert "unreachable" in capsys.readouterr().err
+    assert _listing(out) == before
+
+
+def test_push_refuses_an_unconverted_directory(tmp_path, capsys):
+    src = save_tiny(tmp_path / "plain", "bert")
+    assert main(["push", src, "me/plain"]) == 2
+    assert "is not a converted model" in capsys.readouterr().err
+
+
+def test_console_script_help_and_env():
+    for argv in (["--help"], ["convert", "--help"], ["push", "--help"], ["env", "--help"]):
+        result = subprocess.run([str(CONSOLE), *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and "usage: performer-hf" in result.stdout
+    assert "--num-features" in subprocess.run([str(CONSOLE), "convert", "--help"], capture_output=True,
+                                              text=True, timeout=120).stdout
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(CONSOLE), "env"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0
+    for key in ("torch", "transformers", "device", "torch threads", "hub"):
+        assert key in result.stdout
+    assert "offline mode" in result.stdout
+
+
+def test_console_script_converts(bert_dir, tmp_path):
+    out = tmp_path / "via-console"
+    result = subprocess.run([str(CONSOLE), "convert", bert_dir, "--out", str(out), "--num-features", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert performer_hf.is_converted(performer_hf.from_pretrained(str(out)))
