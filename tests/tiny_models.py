@@ -97,39 +97,41 @@ def inputs(batch=2, length=12, seed=0, pad_last=0, left=False):
 
 
 def tiny_tokenizer(model_type: str = "bert"):
-    """A word-level fast tokenizer over the package's sentences, with VOCAB ids (built locally, no download)."""
-    import re
+    """A lowercase character-level fast tokenizer within VOCAB ids (built locally, no download): every text is
+    covered, so tokens are diverse and attention has something to do."""
+    import string
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from performer_hf.fidelity import builtin_sentences
-
-    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    if model_type in ("roberta", "xlm-roberta", "camembert"):
-        special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # pad id 1, as the tiny config says
-    words = []
-    for sentence in builtin_sentences():
-        for word in re.findall(r"\w+|[^\w\s]", sentence.lower()):
-            if word not in words:
-                words.append(word)
-    vocab = {token: i for i, token in enumerate(special + words[: VOCAB - len(special)])}
-    unk = "<unk>" if "<unk>" in vocab else "[UNK]"
+    roberta_like = model_type in ("roberta", "xlm-roberta", "camembert")
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] if roberta_like else ["[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                                                  "[MASK]"]
+    chars = sorted(set(string.ascii_lowercase + string.digits + string.punctuation + " "))
+    vocab = {token: i for i, token in enumerate(special + chars)}
+    assert len(vocab) <= VOCAB
+    pad, unk, cls, sep, mask = (("<pad>", "<unk>", "<s>", "</s>", "<mask>") if roberta_like
+                                else ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))
     backend = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     if model_type in CAUSAL:
-        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, pad_token=special[0],
-                                       eos_token=special[3], bos_token=special[2], model_max_length=128)
-    cls, sep = ("<s>", "</s>") if unk == "<unk>" else ("[CLS]", "[SEP]")
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, pad_token=pad, eos_token=sep,
+                                       bos_token=cls, model_max_length=128)
     backend.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
-    mask, pad = ("<mask>", "<pad>") if unk == "<unk>" else ("[MASK]", "[PAD]")
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, pad_token=pad, cls_token=cls,
                                    sep_token=sep, mask_token=mask, model_max_length=128)
 
 
-def save_tiny(directory, model_type: str = "bert", head: str | None = None, **overrides):
-    """Save a tiny model and its tokenizer as a local checkpoint directory; returns its path as a string."""
-    tiny_model(model_type, head=head, **overrides).save_pretrained(directory)
+def save_tiny(directory, model_type: str = "bert", head: str | None = None, sharpen: float | None = None,
+              **overrides):
+    """Save a tiny model and its tokenizer as a local checkpoint directory; returns its path as a string.
+
+    `sharpen` > 1 scales the queries so attention is peaked, as in pretrained models (random features then err)."""
+    model = tiny_model(model_type, head=head, **overrides)
+    if sharpen:
+        sharpen_attention(model, sharpen)
+    model.save_pretrained(directory)
     tiny_tokenizer(model_type).save_pretrained(directory)
     return str(directory)

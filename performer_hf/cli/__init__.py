@@ -15,7 +15,7 @@ import sys
 
 from transformers import HfArgumentParser
 
-SUBCOMMANDS = ("convert", "push", "env")  # each subcommand joins when it works
+SUBCOMMANDS = ("convert", "finetune", "push", "env")  # each subcommand joins when it works
 
 
 class CommandError(Exception):

@@ -1,0 +1,206 @@
+"""The fine-tune loop on tiny models: losses fall, distillation closes the gap, kill-and-resume is exact."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import save_tiny
+
+import performer_hf
+from performer_hf import fidelity
+from performer_hf.cli import main
+from performer_hf.training import FinetuneArgs, TrainingDiverged, builtin_corpus, finetune
+from performer_hf.training.data import load_texts
+
+QUICK = dict(max_length=32, batch_size=8, learning_rate=1e-3, logging_steps=1, progress=False, max_eval_samples=16)
+
+
+def converted_dir(tmp_path, model_type="bert", head=None, name="conv", init_range=None, **settings):
+    extra = {} if init_range is None else {"initializer_range": init_range}
+    src = save_tiny(tmp_path / f"src-{model_type}", model_type, head=head, **extra)
+    model = performer_hf.convert(_load(src), **{"num_features": 16, **settings})
+    model.save_pretrained(tmp_path / name)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / name)
+    return str(tmp_path / name)
+
+
+def _load(src):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(src)
+    return getattr(transformers, config.architectures[0]).from_pretrained(src)
+
+
+def losses(out):
+    return [row["loss"] for row in map(json.loads, Path(out, "metrics.jsonl").read_text().splitlines())
+            if "loss" in row]
+
+
+@pytest.mark.parametrize("model_type, task", [("bert", "masked-lm"), ("gpt2", "causal-lm")])
+def test_language_model_loss_falls(tmp_path, model_type, task):
+    model_dir = converted_dir(tmp_path, model_type)
+    result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), max_steps=40, **QUICK))
+    seen = losses(tmp_path / "ft")
+    assert len(seen) == 40
+    first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
+    assert last < 0.9 * first, (first, last)  # character-level LM: from about ln(74) = 4.3 nats
+    assert result["eval_loss"] < first
+    if task == "masked-lm":
+        assert 0 <= result["eval_masked_accuracy"] <= 1
+    again = performer_hf.from_pretrained(str(tmp_path / "ft"))
+    assert performer_hf.is_converted(again)
+
+
+def test_distillation_brings_a_base_model_back_to_its_teacher(tmp_path):
+    # larger weights than the default init: attention that matters and is peaked, as in pretrained models
+    model_dir = converted_dir(tmp_path, "bert", head="BertModel", num_features=8, init_range=0.25)
+    teacher = _load(str(tmp_path / "src-bert")).eval()
+    from transformers import AutoTokenizer
+
+    batch = fidelity.encode(AutoTokenizer.from_pretrained(model_dir), fidelity.builtin_sentences())
+    reference = fidelity.outputs(teacher, batch)
+
+    def cosine(path):
+        student = performer_hf.from_pretrained(path).eval()
+        return fidelity.compare(reference, fidelity.outputs(student, batch), batch["attention_mask"],
+                                is_lm=False)["token_cosine"]
+
+    before = cosine(model_dir)
+    result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), distill=True, max_steps=30, **QUICK))
+    after = cosine(str(tmp_path / "ft"))
+    assert after > before + 0.02, (before, after)  # measured on held-out sentences, not the training corpus
+    assert result["eval_hidden_cosine_to_teacher"] > 0.9
+    seen = losses(tmp_path / "ft")
+    assert sum(seen[-5:]) < sum(seen[:5])
+
+
+def test_logit_distillation_for_an_lm_head(tmp_path):
+    model_dir = converted_dir(tmp_path, "gpt2")
+    finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), distill=True, task_weight=0.0, max_steps=20, **QUICK))
+    seen = losses(tmp_path / "ft")
+    assert sum(seen[-5:]) < 0.9 * sum(seen[:5])
+
+
+class Killed(Exception):
+    pass
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
+    model_dir = converted_dir(tmp_path, "bert", redraw_interval=4)
+    common = dict(max_steps=10, save_steps=3, seed=7, **QUICK)
+    finetune(model_dir, FinetuneArgs(out=str(tmp_path / "straight"), **common))
+
+    def kill_at_7(step, logs):
+        if step == 7:
+            raise Killed
+
+    with pytest.raises(Killed):
+        finetune(model_dir, FinetuneArgs(out=str(tmp_path / "resumed"), **common), callbacks=[kill_at_7])
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_6"]
+    # a checkpoint cut off mid-write never has its final name, and an incomplete one is skipped
+    (checkpoints / ".step_9.partial").mkdir()
+    (checkpoints / "step_99").mkdir()
+    finetune(model_dir, FinetuneArgs(out=str(tmp_path / "resumed"), resume=True, **common))
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    original = load_file(Path(model_dir) / "model.safetensors")
+    projection = "bert.encoder.layer.0.attention.self.performer.projection"
+    assert not torch.equal(a[projection], original[projection])  # redrawn at steps 4 and 8
+
+
+def test_attention_only_phase_trains_only_attention(tmp_path):
+    model_dir = converted_dir(tmp_path, "bert")
+    finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), attention_only_steps=3, max_steps=3, **QUICK))
+    before = load_file(Path(model_dir) / "model.safetensors")
+    after = load_file(tmp_path / "ft" / "model.safetensors")
+    for frozen in ("bert.embeddings.word_embeddings.weight", "bert.encoder.layer.0.output.dense.weight"):
+        assert torch.equal(before[frozen], after[frozen])
+    assert not torch.equal(before["bert.encoder.layer.0.attention.self.query.weight"],
+                           after["bert.encoder.layer.0.attention.self.query.weight"])
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    model_dir = converted_dir(tmp_path, "bert")
+    args = FinetuneArgs(out=str(tmp_path / "ft"), max_steps=6, save_steps=2, **QUICK)
+    model = performer_hf.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def break_weights(step, logs):
+        if step == 2:
+            with torch.no_grad():
+                model.bert.embeddings.word_embeddings.weight.fill_(float("nan"))
+
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 3; training stopped and the last good "
+                                               "checkpoint is .*step_2"):
+        finetune(model, args, tokenizer=tokenizer, callbacks=[break_weights])
+    assert (tmp_path / "ft" / "checkpoints" / "step_2" / "loop_state.json").is_file()
+
+
+def test_bad_inputs_get_their_messages(tmp_path, capsys):
+    model_dir = converted_dir(tmp_path, "bert")
+    plain = save_tiny(tmp_path / "plain", "bert")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = [
+        (["finetune", plain, "--out", str(tmp_path / "a")], "is not a converted model; convert it first: "
+                                                            "performer-hf convert"),
+        (["finetune", model_dir, "--out", str(tmp_path / "b"), "--train-file", str(empty)], "is empty"),
+        (["finetune", model_dir, "--out", str(tmp_path / "c"), "--train-file", str(tmp_path / "missing.txt")],
+         "no such file"),
+        (["finetune", model_dir, "--out", str(tmp_path / "d"), "--max-length", "4096"],
+         "--max-length 4096 exceeds the 128 positions"),
+        (["finetune", model_dir, "--out", str(tmp_path / "e"), "--resume"], "no complete checkpoint"),
+        (["finetune", str(tmp_path / "src-bert"), "--out", str(tmp_path / "f")], "is not a converted model"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    base_dir = converted_dir(tmp_path, "bert", head="BertModel", name="base")
+    assert main(["finetune", base_dir, "--out", str(tmp_path / "g")]) == 1
+    assert "has no language-model head: train it with --distill" in capsys.readouterr().err
+
+
+def test_local_files_of_each_format(tmp_path):
+    texts = [f"sentence number {i} about the weather and the sea" for i in range(40)]
+    (tmp_path / "train.txt").write_text("\n".join(texts))
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    (tmp_path / "train.csv").write_text("text\n" + "\n".join(texts))
+    for name in ("train.txt", "train.jsonl", "train.csv"):
+        raw = load_texts(FinetuneArgs(out="x", train_file=str(tmp_path / name), validation_percent=10))
+        assert len(raw["train"]) == 36 and len(raw["validation"]) == 4
+    with pytest.raises(ValueError, match="no column 'body'"):
+        load_texts(FinetuneArgs(out="x", train_file=str(tmp_path / "train.csv"), text_column="body"))
+
+
+def test_builtin_corpus_is_english_prose_and_stable():
+    corpus = builtin_corpus()
+    assert len(corpus) > 1000 and corpus == builtin_corpus()
+    assert all(len(p.split()) >= 8 and ">>>" not in p for p in corpus)
+
+
+def test_accelerate_launch_two_processes(tmp_path):
+    model_dir = converted_dir(tmp_path, "gpt2")
+    launcher = Path(sys.executable).parent / "accelerate"
+    cmd = [str(launcher), "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "performer_hf.cli", "finetune", model_dir, "--out", str(tmp_path / "ddp"),
+           "--max-steps", "4", "--max-length", "32", "--batch-size", "4", "--redraw-interval", "2",
+           "--logging-steps", "1", "--save-steps", "2", "--progress", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(tmp_path / "ddp")) == 4  # one line per step, from the main process only
+    assert performer_hf.is_converted(performer_hf.from_pretrained(str(tmp_path / "ddp")))
