@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   convert the real all-MiniLM-L6-v2 and report its fidelity
+#   make demo   convert the real all-MiniLM-L6-v2, distil it for a few minutes, report fidelity before and after
 #   make test   run the test suite
 # Both create .venv with the CPU build of torch first (an unpinned torch pulls gigabytes of CUDA packages).
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) conversion/minilm_fidelity.py --seeds 1 --out outputs/demo
+	$(PY) finetune/minilm_demo.py --out outputs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

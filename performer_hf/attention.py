@@ -107,8 +107,21 @@ def performer_attention_forward(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
     mask = key_padding_from_mask(attention_mask, key.shape[2])
-    out, _ = favor(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling)
+    layer = _cache_layer(favor, module) if causal else None
+    out, state = favor(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling,
+                       state=None if layer is None else layer.state)
+    if layer is not None:
+        layer.state = state  # the recurrent state replaces the keys and values a softmax cache would keep
     return out.transpose(1, 2).contiguous(), None
+
+
+def _cache_layer(favor: FavorAttention, module: nn.Module):
+    """The `PerformerCache` layer of this module in the current call (see `generation`), or None."""
+    cache = getattr(favor, "generation_cache", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
+        return None
+    return cache.layers[layer_idx]
 
 
 def performer_mask(

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
-from . import attention
+from . import attention, generation, positions
 from .architectures import ArchitectureSpec, lookup, position_limit
 from .attention import ATTN_IMPLEMENTATION, FavorAttention
 from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
@@ -72,12 +72,16 @@ def _check_length_hook(limit: int, model_type: str):
     return hook
 
 
-def convert(model: PreTrainedModel, config: PerformerConfig | None = None, **overrides: Any) -> PreTrainedModel:
+def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
+            max_position_embeddings: int | None = None, **overrides: Any) -> PreTrainedModel:
     """Give every self-attention layer of `model` a FAVOR module, in place, reusing its Q/K/V/O weights untouched.
 
     Args:
         model (`PreTrainedModel`): a loaded transformers model of a supported `model_type` (any head class).
         config (`PerformerConfig`, *optional*): the settings; defaults to `PerformerConfig()`.
+        max_position_embeddings (`int`, *optional*): accept inputs of this many tokens: learned absolute position
+            tables are extended by repeating the pretrained table (fine-tune at the new length afterwards); rotary
+            models get the higher limit in their config.
         overrides: fields of `PerformerConfig` to change, e.g. `num_features=512`.
 
     Returns:
@@ -111,13 +115,19 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, **ove
         raise ValueError(f"found no self-attention module ({', '.join(spec.attention_classes)}) in "
                          f"{type(model).__name__}")
     head_dims = [_head_dim(module, model.config) for _, module in targets]
+    if max_position_embeddings is not None:
+        positions.check_extension(model, spec, max_position_embeddings)
 
     # --- attach ---
     attention.register()
+    if max_position_embeddings is not None:
+        positions.extend(model, spec, max_position_embeddings)
     generator = torch.Generator().manual_seed(config.seed)
+    favors = []
     for (_, module), head_dim in zip(targets, head_dims, strict=True):
         device = next(module.parameters()).device
         module.performer = FavorAttention(config, head_dim, generator=generator).to(device)
+        favors.append(module.performer)
     previous = model.config._attn_implementation
     meta = dict(getattr(model.config, CONFIG_KEY, None) or {})
     model.config.__dict__[CONFIG_KEY] = {
@@ -128,10 +138,13 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, **ove
         "converted_modules": [name for name, _ in targets],
     }
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    handles = []
     limit = position_limit(spec, model.config)
     if limit is not None:
-        handle = model.register_forward_pre_hook(_check_length_hook(limit, spec.model_type), with_kwargs=True)
-        model.__dict__["_performer_hooks"] = [handle]
+        handles.append(model.register_forward_pre_hook(_check_length_hook(limit, spec.model_type), with_kwargs=True))
+    if any(getattr(module, "is_causal", False) for _, module in targets):
+        handles += generation.install(model, favors)
+    model.__dict__["_performer_hooks"] = handles
     return model
 
 
@@ -145,6 +158,7 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
         del owner.performer
     for handle in model.__dict__.pop("_performer_hooks", []):
         handle.remove()
+    generation.uninstall(model)
     meta = model.config.__dict__.pop(CONFIG_KEY, None) or {}
     model.set_attn_implementation(meta.get("original_attn_implementation") or "sdpa")
     return model

@@ -262,8 +262,20 @@ def causal_favor_attention(
     on the whole sequence. Arguments as in `favor_attention`; `a` is ignored when `state` already carries one.
     """
     _check_inputs(q, k, v, projection, kernel, key_padding_mask)
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"causal attention needs at least as many keys as queries, got {q.shape[2]} queries and "
+                         f"{k.shape[2]} keys")
+    if q.shape[2] < k.shape[2]:
+        # the queries are the last tokens (a softmax-style cache handed us all keys): fold the others into a state
+        prefix = k.shape[2] - q.shape[2]
+        rep = q.shape[1] // k.shape[1]
+        as_queries = k[:, :, :prefix].repeat_interleave(rep, dim=1) if rep > 1 else k[:, :, :prefix]
+        masks = (None, None) if key_padding_mask is None else (key_padding_mask[:, :prefix],
+                                                                key_padding_mask[:, prefix:])
+        _, state = causal_favor_attention(as_queries, k[:, :, :prefix], v[:, :, :prefix], projection=projection,
+                                          kernel=kernel, key_padding_mask=masks[0], chunk_size=chunk_size,
+                                          scale=scale, a=a, state=state)
+        k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if state is not None and state.a is not None:
