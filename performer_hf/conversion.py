@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -117,6 +118,11 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
     head_dims = [_head_dim(module, model.config) for _, module in targets]
     if max_position_embeddings is not None:
         positions.check_extension(model, spec, max_position_embeddings)
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and getattr(model.config, "use_sliding_window", True):
+        warnings.warn(f"this {spec.model_type} model attends within a sliding window of {window} tokens; FAVOR "
+                      f"attention covers the whole prefix, so outputs differ from the original beyond {window} "
+                      "tokens", stacklevel=2)
 
     # --- attach ---
     attention.register()

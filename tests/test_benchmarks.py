@@ -20,3 +20,11 @@ def test_attention_benchmark_runs(tmp_path):
     assert all(row["favor"]["seconds"] > 0 and row["sdpa"]["seconds"] > 0 for row in rows)
     assert "| causal fwd | 256 |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "attention.png").stat().st_size > 10_000
+
+
+def test_notebook_is_valid_and_its_cells_compile():
+    notebook = json.loads((ROOT / "notebooks" / "walkthrough.ipynb").read_text())
+    cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert cells
+    for cell in cells:
+        compile("".join(cell["source"]), "walkthrough.ipynb", "exec")

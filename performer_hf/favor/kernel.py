@@ -173,6 +173,14 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
     return kv1 + k_feat.transpose(-1, -2) @ v1, new_max, out
 
 
+def _blocks(tensors, size: int):
+    """Split along the sequence once (`torch.split`): slicing a tensor that needs gradients inside the loop would
+    make every block's backward allocate a full-length gradient, quadratic in the length."""
+    first = next(t for t in tensors if t is not None)
+    count = -(-first.shape[2] // size) if first.shape[2] else 0
+    return [t.split(size, dim=-1 if t.dim() == 3 else 2) if t is not None else [None] * count for t in tensors]
+
+
 def _block_size(rows: int, features: int) -> int:
     """Tokens per block so that a block of features is about 16 MB."""
     return max(64, (1 << 22) // max(1, rows * features))
@@ -232,12 +240,10 @@ def favor_attention(
     fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
     kv1, running_max = _empty_state(fmap, q, v)
     block = _block_size(q.shape[0] * q.shape[1], fmap.projection.shape[0])
-    for start in range(0, k.shape[2], block):
-        c = slice(start, start + block)
-        kv1, running_max, _ = _accumulate(fmap, k[:, :, c], v[:, :, c], None if mask is None else mask[..., c],
-                                          kv1, running_max)
+    for k_c, v_c, mask_c in zip(*_blocks((k, v, mask), block), strict=True):
+        kv1, running_max, _ = _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max)
     # kv1 is now relative to the maximum over all real keys; any common scale cancels in the quotient
-    outputs = [_normalise(fmap.queries(q[:, :, s : s + block]) @ kv1) for s in range(0, q.shape[2], block)]
+    outputs = [_normalise(fmap.queries(q_c) @ kv1) for q_c in q.split(block, dim=2)]
     return torch.cat(outputs, dim=2).to(q.dtype)  # (B, H, Lq, Dv)
 
 
@@ -286,10 +292,8 @@ def causal_favor_attention(
     else:
         kv1, running_max = state.kv.to(fmap.dtype), state.max_log_scale.to(fmap.dtype)
     outputs = []
-    for start in range(0, q.shape[2], chunk_size):
-        c = slice(start, start + chunk_size)
-        kv1, running_max, out = _accumulate(fmap, k[:, :, c], v[:, :, c], None if mask is None else mask[..., c],
-                                            kv1, running_max, causal_q=fmap.queries(q[:, :, c]))
+    for q_c, k_c, v_c, mask_c in zip(*_blocks((q, k, v, mask), chunk_size), strict=True):
+        kv1, running_max, out = _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=fmap.queries(q_c))
         outputs.append(out)
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
     a_state = None if fmap.a is None else torch.as_tensor(fmap.a, dtype=fmap.dtype, device=q.device)
