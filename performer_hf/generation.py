@@ -129,7 +129,9 @@ def install(model, favors: list[FavorAttention]) -> list:
     """Make `model.generate` use a `PerformerCache`; returns the hook handles (removed by `uninstall`)."""
     handles = [model.register_forward_pre_hook(_point_at_cache(favors), with_kwargs=True),
                model.register_forward_hook(_forget_cache(favors), with_kwargs=True)]
-    original = type(model)._prepare_cache_for_generation
+    original = getattr(type(model), "_prepare_cache_for_generation", None)
+    if original is None or not hasattr(model, "generate"):  # a base model: no generate() to serve
+        return handles
 
     def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
         wants_default = (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
@@ -139,8 +141,7 @@ def install(model, favors: list[FavorAttention]) -> list:
             return None
         return original(model, generation_config, model_kwargs, *args, **kwargs)
 
-    if hasattr(model, "generate"):
-        model.__dict__["_prepare_cache_for_generation"] = _prepare_cache_for_generation
+    model.__dict__["_prepare_cache_for_generation"] = _prepare_cache_for_generation
     return handles
 
 

@@ -124,8 +124,21 @@ def test_bad_flags_are_usage_errors(bert_dir, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--num-features", "0"]) == 2
     assert "num_features must be a positive integer" in capsys.readouterr().err
-    assert main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--max-length", "4096"]) == 2
-    assert "exceeds the 128 positions" in capsys.readouterr().err
+    assert main(["convert", bert_dir, "--out", str(tmp_path / "o"), "--max-length", "0"]) == 2
+    assert "--max-length must be positive" in capsys.readouterr().err
+
+
+def test_max_length_extends_the_position_table(bert_dir, tmp_path, capsys):
+    out = tmp_path / "long"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8", "--max-length", "512"]) == 0
+    assert "position table extended from 128 to 512 tokens" in capsys.readouterr().out
+    model = performer_hf.from_pretrained(str(out)).eval()
+    assert model.config.max_position_embeddings == 512
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out).model_max_length == 512
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(5, 60, (1, 500))).logits).all()
 
 
 def test_push_uploads_the_files_and_card(bert_dir, tmp_path, fake_hub, capsys):

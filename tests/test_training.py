@@ -204,3 +204,19 @@ def test_accelerate_launch_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(losses(tmp_path / "ddp")) == 4  # one line per step, from the main process only
     assert performer_hf.is_converted(performer_hf.from_pretrained(str(tmp_path / "ddp")))
+
+
+def test_the_final_model_can_be_pushed(tmp_path, monkeypatch):
+    from fake_hub import FakeHub
+    from huggingface_hub import constants
+
+    model_dir = converted_dir(tmp_path, "gpt2")
+    with FakeHub() as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), max_steps=2, save_steps=1, push_to_hub="me/ft",
+                                         **QUICK))
+    files = hub.repos["me/ft"]["files"]
+    assert {"model.safetensors", "config.json", "README.md", "metrics.jsonl"} <= set(files)
+    assert not any(name.startswith("checkpoints/") for name in files)  # resumable state stays local
+    assert b"Fine-tuned for 2 steps after conversion" in files["README.md"]

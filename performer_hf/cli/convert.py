@@ -23,8 +23,9 @@ class Args:
     projection: str = field(default="orthogonal", metadata={"help": "random projection",
                                                             "choices": ["orthogonal", "gaussian", "structured"]})
     seed: int = field(default=0, metadata={"help": "seed of the projections"})
-    max_length: int | None = field(default=None, metadata={"help": "longest input in tokens; the tokenizer's limit "
-                                                                   "is set to it (must fit the position table)"})
+    max_length: int | None = field(default=None, metadata={"help": "longest input in tokens: a learned position "
+                                                                   "table shorter than this is extended (fine-tune "
+                                                                   "at the new length); sets the tokenizer's limit"})
     eval_file: str | None = field(default=None, metadata={"help": "text file, one sentence per line, for the "
                                                                   "fidelity report (default: built-in sentences)"})
     overwrite: bool = field(default=False, metadata={"help": "replace a non-empty --out"})
@@ -56,19 +57,19 @@ def run(args: Args, model: str) -> int:
         if not texts:
             raise UsageError(f"--eval-file {path} has no non-empty lines")
 
+    if args.max_length is not None and args.max_length < 1:
+        raise UsageError(f"--max-length must be positive, got {args.max_length}")
     loaded, tokenizer, task = load_pretrained(model, args.task)
     limit = position_limit(lookup(loaded.config.model_type), loaded.config)
+    extend_to = args.max_length if args.max_length is not None and (limit is None or args.max_length > limit) else None
     if args.max_length is not None:
-        if limit is not None and args.max_length > limit:
-            raise UsageError(f"--max-length {args.max_length} exceeds the {limit} positions of this model's learned "
-                             "position table")
         tokenizer.model_max_length = args.max_length
     eval_length = min(x for x in (args.max_length, limit, 128) if x is not None)
     if tokenizer.pad_token is None:  # GPT-style tokenizers: pad with EOS for the batched fidelity pass
         tokenizer.pad_token = tokenizer.eos_token
     batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
     reference = fidelity.outputs(loaded, batch)
-    convert(loaded, settings)
+    convert(loaded, settings, max_position_embeddings=extend_to)
     loaded.config.performer["base_model"] = model
     is_lm = task in ("masked-lm", "causal-lm")
     metrics = fidelity.compare(reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)
@@ -83,6 +84,9 @@ def run(args: Args, model: str) -> int:
                                                   location=args.push_to_hub or str(out)))
     n = len(loaded.config.performer["converted_modules"])
     print(f"converted {n} attention layers of {model} ({loaded.config.model_type}, {task}) -> {out}")
+    if extend_to is not None and limit is not None:
+        print(f"position table extended from {limit} to {extend_to} tokens by repeating it: fine-tune at the new "
+              "length")
     print(report)
     print("A converted model needs a short fine-tune to recover its accuracy: performer-hf finetune "
           f"{out} --out {out}-finetuned --distill")

@@ -73,6 +73,31 @@ def _check_inputs(q, k, v, projection, kernel, key_padding_mask):
                          f"got {tuple(key_padding_mask.shape)}")
 
 
+class _ShiftedExp(torch.autograd.Function):
+    """exp(u - shift[..., None]), in place on u. Autograd's own backward would first write -grad over the whole
+    (L, m') tensor to send gradient to `shift`; here that gradient is a single reduction."""
+
+    @staticmethod
+    def forward(ctx, u, shift):
+        out = u.sub_(shift.unsqueeze(-1)).exp_()
+        ctx.mark_dirty(u)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        grad_u = grad * out
+        grad_shift = -grad_u.sum(dim=-1) if ctx.needs_input_grad[1] else None
+        return grad_u, grad_shift
+
+
+def _shifted_exp(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (u.requires_grad or shift.requires_grad):
+        return _ShiftedExp.apply(u, shift)
+    return u.sub_(shift.unsqueeze(-1)).exp_()
+
+
 class _FeatureMap:
     """The feature map of one attention call, applied block by block in the compute dtype.
 
@@ -97,7 +122,7 @@ class _FeatureMap:
         if not self.exp_family:
             return feature_map(q, self.projection, self.kernel)[0]
         u, _ = exp_logits(q, self.projection, self.kernel, self.a)  # (B, H, C, m')
-        return u.sub_(u.detach().amax(dim=-1, keepdim=True)).exp_()
+        return _shifted_exp(u, u.detach().amax(dim=-1))
 
     def keys(self, k: torch.Tensor, mask: torch.Tensor | None):
         """`(u, offset, log_scale)`: log_scale = max_f log phi(k_j), -inf for padding, whose offset is +inf."""
@@ -117,7 +142,7 @@ class _FeatureMap:
         """Key features scaled by exp(-stabiliser) (B, H)."""
         shift = offset + stabiliser.unsqueeze(-1)  # (B, H, C)
         if self.exp_family:
-            return u.sub_(shift.unsqueeze(-1)).exp_()
+            return _shifted_exp(u, shift)
         scale = torch.where(torch.isinf(shift), 0.0, (-shift).exp())  # relu's eps must not survive on padding
         return u * scale.unsqueeze(-1)
 
