@@ -29,7 +29,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kernel", default="favor+")
     parser.add_argument("--num-features", type=int, default=256)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)  # 0.853 after 150 steps; 1e-4 gave 0.834
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"))
     args = parser.parse_args(argv)
     try:

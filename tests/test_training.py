@@ -1,6 +1,7 @@
 """The fine-tune loop on tiny models: losses fall, distillation closes the gap, kill-and-resume is exact."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -220,3 +221,11 @@ def test_the_final_model_can_be_pushed(tmp_path, monkeypatch):
     assert {"model.safetensors", "config.json", "README.md", "metrics.jsonl"} <= set(files)
     assert not any(name.startswith("checkpoints/") for name in files)  # resumable state stays local
     assert b"Fine-tuned for 2 steps after conversion" in files["README.md"]
+
+
+def test_bf16_mixed_precision_through_accelerate(tmp_path):
+    model_dir = converted_dir(tmp_path, "gpt2")
+    result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), max_steps=6, mixed_precision="bf16",
+                                              **QUICK))
+    seen = losses(tmp_path / "ft")
+    assert len(seen) == 6 and all(map(math.isfinite, seen)) and math.isfinite(result["eval_loss"])

@@ -83,6 +83,16 @@ def _load_teacher(student, args: FinetuneArgs):
     return teacher.eval().requires_grad_(False)
 
 
+def _forget_previous_precision(mixed_precision: str) -> None:
+    """accelerate keeps its state per process; a second `finetune()` in the same process (a notebook) with another
+    precision would be refused. Only the accelerator-level state is dropped; the process group is kept."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if shared and str(shared.get("_mixed_precision", mixed_precision)) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+
+
 def _complete_checkpoints(out: Path) -> list[Path]:
     root = out / CHECKPOINTS
     if not root.is_dir():
@@ -134,6 +144,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     if not args.resume and out.exists() and any(p.name != ".gitkeep" for p in out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue a run, or choose another "
                               "--out")
+    _forget_previous_precision(args.mixed_precision)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
