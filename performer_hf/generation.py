@@ -98,15 +98,6 @@ class PerformerCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def favor_state_for(favor: FavorAttention, module) -> FavorCacheLayer | None:
-    """The cache layer of `module` in the current generation call, if any."""
-    cache = getattr(favor, "generation_cache", None)
-    layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
-        return None
-    return cache.layers[layer_idx]
-
-
 def _point_at_cache(favors):
     def hook(module, args, kwargs):
         cache = kwargs.get("past_key_values")

@@ -52,7 +52,11 @@ def resolve_task(config, task: str) -> str:
     """The task from `config.architectures` when `task == "auto"`."""
     if task != "auto":
         return task
-    architecture = (config.architectures or [""])[0]
+    return task_of_architecture((config.architectures or [""])[0])
+
+
+def task_of_architecture(architecture: str) -> str:
+    """The task a head class (e.g. `BertForMaskedLM`) serves; "base" for anything else."""
     if architecture.endswith("ForMaskedLM"):
         return "masked-lm"
     if architecture.endswith(("ForCausalLM", "LMHeadModel")):
@@ -114,8 +118,8 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def model_card(*, base_model: str | None, task: str, settings: PerformerConfig, metrics: dict | None,
-               report: str | None, model_type: str, location: str, finetuned: str | None = None) -> str:
+def model_card(*, base_model: str | None, task: str, settings: PerformerConfig, report: str | None,
+               model_type: str, location: str, finetuned: str | None = None) -> str:
     """README.md with Hub metadata and a body saying what was converted, how well it matches, how to use it."""
     from huggingface_hub import ModelCardData
 

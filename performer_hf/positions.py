@@ -18,10 +18,8 @@ from .architectures import ArchitectureSpec, position_limit
 
 def _table(model, spec: ArchitectureSpec) -> tuple[nn.Module, nn.Embedding, int]:
     """(parent module, embedding, leading non-position rows) of the learned position table."""
-    base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
-    path = spec.position_table
-    parent_path, _, attr = path.rpartition(".")
-    parent = base.get_submodule(parent_path) if parent_path else base
+    parent_path, _, attr = spec.position_table.rpartition(".")
+    parent = model.base_model.get_submodule(parent_path)  # get_submodule("") is the base model itself
     table = getattr(parent, attr)
     lead = table.num_embeddings - position_limit(spec, model.config)  # rows before position 0 (RoBERTa, OPT)
     return parent, table, lead

@@ -124,14 +124,8 @@ def tiny_tokenizer(model_type: str = "bert"):
                                    sep_token=sep, mask_token=mask, model_max_length=128)
 
 
-def save_tiny(directory, model_type: str = "bert", head: str | None = None, sharpen: float | None = None,
-              **overrides):
-    """Save a tiny model and its tokenizer as a local checkpoint directory; returns its path as a string.
-
-    `sharpen` > 1 scales the queries so attention is peaked, as in pretrained models (random features then err)."""
-    model = tiny_model(model_type, head=head, **overrides)
-    if sharpen:
-        sharpen_attention(model, sharpen)
-    model.save_pretrained(directory)
+def save_tiny(directory, model_type: str = "bert", head: str | None = None, **overrides):
+    """Save a tiny model and its tokenizer as a local checkpoint directory; returns its path as a string."""
+    tiny_model(model_type, head=head, **overrides).save_pretrained(directory)
     tiny_tokenizer(model_type).save_pretrained(directory)
     return str(directory)

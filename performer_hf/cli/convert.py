@@ -79,9 +79,9 @@ def run(args: Args, model: str) -> int:
         loaded.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "fidelity.json").write_text(json.dumps({"texts": len(texts), **metrics}, indent=1) + "\n")
-        (tmp / "README.md").write_text(model_card(base_model=model, task=task, settings=settings, metrics=metrics,
-                                                  report=report, model_type=loaded.config.model_type,
-                                                  location=args.push_to_hub or str(out)))
+        card = model_card(base_model=model, task=task, settings=settings, report=report,
+                          model_type=loaded.config.model_type, location=args.push_to_hub or str(out))
+        (tmp / "README.md").write_text(card)
     n = len(loaded.config.performer["converted_modules"])
     print(f"converted {n} attention layers of {model} ({loaded.config.model_type}, {task}) -> {out}")
     if extend_to is not None and limit is not None:

@@ -293,6 +293,8 @@ def causal_favor_attention(
     on the whole sequence. Arguments as in `favor_attention`; `a` is ignored when `state` already carries one.
     """
     _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if q.shape[2] > k.shape[2]:
         raise ValueError(f"causal attention needs at least as many keys as queries, got {q.shape[2]} queries and "
                          f"{k.shape[2]} keys")
@@ -307,8 +309,6 @@ def causal_favor_attention(
                                           kernel=kernel, key_padding_mask=masks[0], chunk_size=chunk_size,
                                           scale=scale, a=a, state=state)
         k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if state is not None and state.a is not None:
         a = state.a
     fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)

@@ -19,6 +19,7 @@ import torch
 
 from ..architectures import lookup, position_limit
 from ..conversion import converted_modules, from_pretrained, is_converted, performer_settings, redraw_projections
+from ..hub import task_of_architecture
 from .args import FinetuneArgs
 from .data import SeededCollator, load_texts, pack, with_index
 from .losses import hidden_mse, logit_kl
@@ -34,12 +35,8 @@ class TrainingDiverged(RuntimeError):
 def _task_of(model, requested: str) -> str:
     if requested != "auto":
         return requested
-    name = type(model).__name__
-    if name.endswith("ForMaskedLM"):
-        return "masked-lm"
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal-lm"
-    return "distill-only"
+    task = task_of_architecture(type(model).__name__)
+    return task if task in ("masked-lm", "causal-lm") else "distill-only"
 
 
 def _load_student(model_or_path, tokenizer):
@@ -219,7 +216,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
             batches = accelerator.skip_first_batches(train_dl, state["batches_in_epoch"])
         for batch in batches:
             with accelerator.accumulate(model):
-                loss = ctx.loss(batch)
+                loss, _, _ = ctx.loss(batch)
                 if not bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all()):
                     ctx.diverged(state["step"] + 1, loss)
                 accelerator.backward(loss)
@@ -281,28 +278,37 @@ class _Context:
         self.args, self.accelerator, self.model, self.teacher, self.task, self.out = (
             args, accelerator, model, teacher, task, out)
         self.metrics_file = out / "metrics.jsonl"
+        self.accuracy = None
+        if task == "masked-lm":  # loaded once; compute() clears what add_batch collected
+            import evaluate
+
+            self.accuracy = evaluate.load(str(Path(__file__).parents[1] / "metrics" / "accuracy"))
 
     def _inputs(self, batch):
         return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
-    def loss(self, batch, model=None):
-        args, model = self.args, model or self.model
-        need_hidden = self.teacher is not None and args.hidden_weight > 0
+    def loss(self, batch, keep_hidden: bool = False):
+        """`(loss, student outputs, teacher outputs or None)`; `keep_hidden` returns hidden states even when the
+        loss does not use them (evaluation compares them with the teacher's)."""
+        args = self.args
+        use_hidden = self.teacher is not None and args.hidden_weight > 0
+        need_hidden = self.teacher is not None and (use_hidden or keep_hidden)
         labels = batch.get("labels") if self.task != "distill-only" else None
-        out = model(**self._inputs(batch), labels=labels, output_hidden_states=need_hidden)
+        out = self.model(**self._inputs(batch), labels=labels, output_hidden_states=need_hidden)
         loss = out.loss * args.task_weight if labels is not None and args.task_weight > 0 else 0.0
+        ref = None
         if self.teacher is not None:
             with torch.no_grad(), self.accelerator.autocast():
                 ref = self.teacher(**self._inputs(batch), output_hidden_states=need_hidden)
             mask = batch["attention_mask"]
             if getattr(out, "logits", None) is not None and args.kl_weight > 0:
                 loss = loss + args.kl_weight * logit_kl(out.logits, ref.logits, mask, args.temperature)
-            if need_hidden:
+            if use_hidden:
                 loss = loss + args.hidden_weight * hidden_mse(out.hidden_states, ref.hidden_states, mask,
                                                               args.distill_layers)
         if not torch.is_tensor(loss):
             raise ValueError("every loss weight is zero: nothing to train")
-        return loss
+        return loss, out, ref
 
     def diverged(self, step, loss):
         checkpoints = _complete_checkpoints(self.out)
@@ -322,25 +328,20 @@ class _Context:
 
     @torch.no_grad()
     def evaluate(self, eval_dl, step) -> dict:
-        import evaluate
-
-        accuracy = evaluate.load(str(Path(__file__).parents[1] / "metrics" / "accuracy"))
         self.model.eval()
         losses, cosines = [], []
         with torch.random.fork_rng(devices=[]):  # fixed eval masks; the training RNG stream is untouched
             torch.manual_seed(self.args.seed)
             for batch in eval_dl:
-                loss = self.loss(batch)
+                loss, out, ref = self.loss(batch, keep_hidden=True)  # one forward each serves every metric
                 losses.append(self.accelerator.gather_for_metrics(loss.detach().float().reshape(1)))
                 if self.task == "masked-lm":
-                    logits = self.model(**self._inputs(batch)).logits
                     chosen = batch["labels"] != -100
-                    preds, refs = self.accelerator.gather_for_metrics((logits.argmax(-1)[chosen],
+                    preds, refs = self.accelerator.gather_for_metrics((out.logits.argmax(-1)[chosen],
                                                                        batch["labels"][chosen]))
-                    accuracy.add_batch(predictions=preds.tolist(), references=refs.tolist())
-                if self.teacher is not None:
-                    student = self.model(**self._inputs(batch), output_hidden_states=True).hidden_states[-1]
-                    teacher = self.teacher(**self._inputs(batch), output_hidden_states=True).hidden_states[-1]
+                    self.accuracy.add_batch(predictions=preds.tolist(), references=refs.tolist())
+                if ref is not None:
+                    student, teacher = out.hidden_states[-1], ref.hidden_states[-1]
                     cos = torch.nn.functional.cosine_similarity(student.float(), teacher.float(), dim=-1)
                     real = batch["attention_mask"].bool()
                     cosines.append(self.accelerator.gather_for_metrics(cos[real].mean().reshape(1)))
@@ -349,7 +350,7 @@ class _Context:
         if self.task in ("masked-lm", "causal-lm") and not self.args.distill:
             result["eval_perplexity"] = math.exp(min(result["eval_loss"], 50))
         if self.task == "masked-lm":
-            result["eval_masked_accuracy"] = accuracy.compute()["accuracy"]
+            result["eval_masked_accuracy"] = self.accuracy.compute()["accuracy"]
         if cosines:
             result["eval_hidden_cosine_to_teacher"] = torch.cat(cosines).mean().item()
         return result
@@ -387,9 +388,8 @@ class _Context:
                                [f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "step"])
             base = (model.config.performer or {}).get("base_model")
             (tmp / "README.md").write_text(model_card(
-                base_model=base, task=self.task, settings=performer_settings(model.config), metrics=metrics,
-                report=report, model_type=model.config.model_type,
-                location=self.args.push_to_hub or str(self.out),
+                base_model=base, task=self.task, settings=performer_settings(model.config), report=report,
+                model_type=model.config.model_type, location=self.args.push_to_hub or str(self.out),
                 finetuned=f"Fine-tuned for {metrics['step']} steps after conversion "
                           f"({'distillation from the original' if self.teacher is not None else self.task})."))
             for item in tmp.iterdir():
