@@ -17,20 +17,36 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from .config import PerformerConfig
-from .favor import causal_favor_attention, draw_projection, favor_attention
+from .favor import (
+    causal_favor_attention,
+    causal_local_attention,
+    draw_projection,
+    favor_attention,
+    favor_plus_plus_a_from_moments,
+    local_attention,
+)
 
 ATTN_IMPLEMENTATION = "performer"
 
 
-class FavorAttention(nn.Module):
-    """The FAVOR state of one converted attention layer: its settings and random projection.
+MODES = ("favor", "calibrate", "transfer")
 
-    The projection is a persistent buffer of shape `(num_features, head_dim)`. Forward never redraws it, so
-    evaluation is deterministic; `redraw` is an explicit call (made by the training loop every `redraw_interval`
-    steps, or by `performer_hf.redraw_projections`).
+
+class FavorAttention(nn.Module):
+    """The FAVOR state of one converted attention layer: its settings, projection and (FAVOR++) stored A.
+
+    The projection, `(num_features, head_dim)` or per head `(num_heads, num_features, head_dim)`, is a persistent
+    buffer, or a trainable parameter with `learned_features`. Forward never redraws it, so evaluation is
+    deterministic; `redraw` is an explicit call (made by the training loop every `redraw_interval` steps, or by
+    `performer_hf.redraw_projections`) and skips learned projections.
+
+    `mode` is what a call does: "favor" (the Performer's attention), "calibrate" (exact attention, recording query
+    and key statistics for FAVOR++'s A) or "transfer" (exact attention, recording in `transfer_loss` how far the
+    FAVOR output on the same q, k, v is from it: attention transfer). The modes are set by `conversion.calibrate`
+    and `training.attention_transfer`, never left on.
     """
 
-    def __init__(self, config: PerformerConfig, head_dim: int, generator: torch.Generator | None = None,
+    def __init__(self, config: PerformerConfig, head_dim: int, num_heads: int, generator: torch.Generator | None = None,
                  device=None):
         super().__init__()
         self.kernel = config.kernel
@@ -38,33 +54,109 @@ class FavorAttention(nn.Module):
         self.projection_kind = config.projection
         self.norms = config.norms
         self.chunk_size = config.chunk_size
-        self.head_dim = head_dim
-        self.register_buffer("projection", self._draw(generator, device))
+        self.sink_tokens = config.sink_tokens or 0
+        self.local_window = config.local_window or 0
+        self.learned = config.learned_features
+        self.per_head = config.per_head_features
+        self.head_dim, self.num_heads = head_dim, num_heads
+        self.mode = "favor"
+        self.transfer_loss: torch.Tensor | None = None
+        self._moments: list | None = None
+        projection = self._draw(generator, device)
+        if self.learned:
+            self.projection = nn.Parameter(projection)
+        else:
+            self.register_buffer("projection", projection)
+        if self.kernel == "favor++":  # filled by calibration at conversion, saved with the model
+            self.register_buffer("favor_a", torch.full((num_heads,), float("nan"), device=device))
 
     def _draw(self, generator, device):
-        return draw_projection(self.num_features, self.head_dim, kind=self.projection_kind, norms=self.norms,
-                               generator=generator, device=device, dtype=torch.float32)
+        heads = (self.num_heads,) if self.per_head else ()
+        draws = [draw_projection(self.num_features, self.head_dim, kind=self.projection_kind, norms=self.norms,
+                                 generator=generator, device=device, dtype=torch.float32) for _ in heads or (1,)]
+        return torch.stack(draws) if heads else draws[0]
+
+    @property
+    def is_local(self) -> bool:
+        return bool(self.sink_tokens or self.local_window)
 
     @torch.no_grad()
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw a fresh projection in place (same device and dtype as the current one)."""
+    def redraw(self, generator: torch.Generator | None = None) -> bool:
+        """Draw a fresh projection in place (same device and dtype); learned projections are kept (returns False)."""
+        if self.learned:
+            return False
         fresh = self._draw(generator, generator.device if generator is not None else self.projection.device)
         self.projection.copy_(fresh.to(self.projection.device))
+        return True
+
+    def _favor_a(self):
+        if self.kernel != "favor++":
+            return None
+        if bool(torch.isnan(self.favor_a).any()):
+            raise ValueError("this favor++ layer has no calibrated A: convert with calibration inputs "
+                             "(performer_hf.convert(model, kernel='favor++', calibration=batch))")
+        return self.favor_a.unsqueeze(0)  # (1, H), broadcast over the batch
 
     def forward(self, query, key, value, *, causal: bool, key_padding_mask=None, scale=None, state=None):
         """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) and, in causal mode, the new recurrent state."""
+        common = dict(projection=self.projection, kernel=self.kernel, key_padding_mask=key_padding_mask,
+                      scale=scale, a=self._favor_a(), chunk_size=self.chunk_size)
+        local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window)
         if causal:
-            return causal_favor_attention(
-                query, key, value, projection=self.projection, kernel=self.kernel, chunk_size=self.chunk_size,
-                key_padding_mask=key_padding_mask, scale=scale, state=state,
-            )
-        out = favor_attention(query, key, value, projection=self.projection, kernel=self.kernel,
-                              key_padding_mask=key_padding_mask, scale=scale)
-        return out, None
+            if self.is_local:
+                return causal_local_attention(query, key, value, state=state, **common, **local)
+            return causal_favor_attention(query, key, value, state=state, **common)
+        if self.is_local:
+            return local_attention(query, key, value, **common, **local), None
+        return favor_attention(query, key, value, **common), None
+
+    def record_moments(self, query, key, key_padding_mask, scale) -> None:
+        """Add this batch's scaled query/key statistics (real tokens only) to the calibration sums."""
+        root = (query.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
+        rep = query.shape[1] // key.shape[1]
+        q = query.double() * root
+        k = (key.repeat_interleave(rep, dim=1) if rep > 1 else key).double() * root
+        w = torch.ones(q.shape[0], q.shape[2], dtype=q.dtype, device=q.device) if key_padding_mask is None else \
+            key_padding_mask.to(q.dtype)
+        w = w[:, None, :, None]  # (B, 1, L, 1)
+        sums = [(x.pow(2).sum(-1, keepdim=True) * w).sum((0, 2)).squeeze(-1) for x in (q, k)]  # (H,) each
+        means = [(x * w).sum((0, 2)) for x in (q, k)]  # (H, D) each
+        batch = [sums[0], means[0], sums[1], means[1], w.sum()]
+        self._moments = batch if self._moments is None else [a + b for a, b in zip(self._moments, batch, strict=True)]
+
+    @torch.no_grad()
+    def finish_calibration(self) -> None:
+        if self._moments is None:
+            raise ValueError("calibration saw no tokens in a converted layer; pass non-empty calibration inputs")
+        q_sq, q_sum, k_sq, k_sum, count = self._moments
+        a = favor_plus_plus_a_from_moments(q_sq / count, q_sum / count, k_sq / count, k_sum / count)
+        self.favor_a.copy_(a.to(self.favor_a))
+        self._moments = None
 
     def extra_repr(self) -> str:
+        extra = f", sinks={self.sink_tokens}, window={self.local_window}" if self.is_local else ""
+        extra += ", learned" if self.learned else ""
+        extra += ", per-head" if self.per_head else ""
         return (f"kernel={self.kernel!r}, num_features={self.num_features}, head_dim={self.head_dim}, "
-                f"projection={self.projection_kind!r}/{self.norms!r}, chunk_size={self.chunk_size}")
+                f"projection={self.projection_kind!r}/{self.norms!r}, chunk_size={self.chunk_size}{extra}")
+
+
+def exact_attention(query, key, value, *, causal: bool, key_padding_mask=None, scale=None) -> torch.Tensor:
+    """Softmax attention on the same inputs (B, H, L, D), O(L^2): the target of calibration and attention transfer.
+    Every query may at least see itself, so fully padded rows give finite (ignored) outputs."""
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    lq, lk = query.shape[2], key.shape[2]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=query.device)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=lk - lq)
+    allowed = allowed.expand(query.shape[0], 1, lq, lk)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :].to(torch.bool)
+    itself = torch.arange(lk, device=query.device) == torch.arange(lq, device=query.device).unsqueeze(-1) + lk - lq
+    allowed = allowed | itself
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
@@ -107,12 +199,33 @@ def performer_attention_forward(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
     mask = key_padding_from_mask(attention_mask, key.shape[2])
+    if favor.mode != "favor":
+        return _teacher_forced(favor, query, key, value, causal, mask, scaling)
     layer = _cache_layer(favor, module) if causal else None
     out, state = favor(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling,
                        state=None if layer is None else layer.state)
     if layer is not None:
         layer.state = state  # the recurrent state replaces the keys and values a softmax cache would keep
     return out.transpose(1, 2).contiguous(), None
+
+
+def _teacher_forced(favor: FavorAttention, query, key, value, causal, mask, scaling):
+    """Calibration and attention transfer: the layer passes on exact attention (so every layer sees the original
+    model's hidden states) and records what its mode asks for."""
+    with torch.no_grad():
+        exact = exact_attention(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling)
+    if favor.mode == "calibrate":
+        favor.record_moments(query.detach(), key.detach(), mask, scaling)
+    else:
+        approx, _ = favor(query.detach(), key.detach(), value.detach(), causal=causal, key_padding_mask=mask,
+                          scale=scaling)
+        real = torch.ones(exact.shape[0], exact.shape[2], device=exact.device) if mask is None else mask.float()
+        weights = real[:, None, :, None]  # (B, 1, L, 1); padded queries do not count
+        err = ((approx.float() - exact.float()) ** 2 * weights).sum()
+        norm = (exact.float() ** 2 * weights).sum().clamp_min(1e-12)
+        loss = err / norm  # relative squared error of this layer's attention output
+        favor.transfer_loss = loss if favor.transfer_loss is None else favor.transfer_loss + loss
+    return exact.transpose(1, 2).contiguous(), None
 
 
 def _cache_layer(favor: FavorAttention, module: nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
 
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder",
                "trust_remote_code")
-_PROJECTION_SUFFIX = "performer.projection"
+_SAVED_SUFFIXES = ("performer.projection", "performer.favor_a")
 
 
 def converted_modules(model: torch.nn.Module) -> dict[str, FavorAttention]:
@@ -43,6 +44,14 @@ def _find_attention(model: PreTrainedModel, spec: ArchitectureSpec) -> list[tupl
         for name, module in model.named_modules()
         if type(module).__name__ in spec.attention_classes and not getattr(module, "is_cross_attention", False)
     ]
+
+
+def _num_heads(module: torch.nn.Module, config) -> int:
+    for attr in ("num_heads", "num_attention_heads", "n_heads"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(config.num_attention_heads)
 
 
 def _head_dim(module: torch.nn.Module, config) -> int:
@@ -74,15 +83,19 @@ def _check_length_hook(limit: int, model_type: str):
 
 
 def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
-            max_position_embeddings: int | None = None, **overrides: Any) -> PreTrainedModel:
+            max_position_embeddings: int | None = None, calibration=None, **overrides: Any) -> PreTrainedModel:
     """Give every self-attention layer of `model` a FAVOR module, in place, reusing its Q/K/V/O weights untouched.
 
     Args:
         model (`PreTrainedModel`): a loaded transformers model of a supported `model_type` (any head class).
-        config (`PerformerConfig`, *optional*): the settings; defaults to `PerformerConfig()`.
+        config (`PerformerConfig`, *optional*): the settings; defaults to `PerformerConfig()` (for causal models:
+            exact attention to 4 sink tokens and the 64 most recent keys, FAVOR for the rest; for bidirectional
+            models: pure FAVOR).
         max_position_embeddings (`int`, *optional*): accept inputs of this many tokens: learned absolute position
             tables are extended by repeating the pretrained table (fine-tune at the new length afterwards); rotary
             models get the higher limit in their config.
+        calibration (`dict` or `torch.Tensor`, *optional*): model inputs (a tokenizer's output, or input ids) run
+            once through the model to fix FAVOR++'s A per layer and head; required for `kernel="favor++"`.
         overrides: fields of `PerformerConfig` to change, e.g. `num_features=512`.
 
     Returns:
@@ -100,10 +113,26 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
         >>> sorted(converted_modules(model))
         ['encoder.layer.0.attention.self', 'encoder.layer.1.attention.self']
     """
+    config = (config or PerformerConfig()).replace(**overrides) if overrides else (config or PerformerConfig())
+    if config.kernel == "favor++" and calibration is None:
+        raise ValueError("favor++ fixes its A per layer and head from calibration text: pass "
+                         "calibration=tokenizer(texts, return_tensors='pt', padding=True) to convert")
+    if calibration is not None:
+        calibration = _calibration_inputs(calibration)
+    _convert(model, config, max_position_embeddings)
+    if config.kernel == "favor++":
+        try:
+            calibrate(model, calibration)
+        except Exception:
+            revert(model)  # never leave a half-converted model behind
+            raise
+    return model
+
+
+def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embeddings: int | None = None):
     # --- check ---
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"convert takes a transformers PreTrainedModel, got {type(model).__name__}")
-    config = (config or PerformerConfig()).replace(**overrides) if overrides else (config or PerformerConfig())
     spec = lookup(model.config.model_type)
     if is_converted(model):
         raise ValueError("this model is already converted; call performer_hf.revert(model) first to convert it "
@@ -116,13 +145,16 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
         raise ValueError(f"found no self-attention module ({', '.join(spec.attention_classes)}) in "
                          f"{type(model).__name__}")
     head_dims = [_head_dim(module, model.config) for _, module in targets]
+    num_heads = [_num_heads(module, model.config) for _, module in targets]
+    causal = any(getattr(module, "is_causal", False) for _, module in targets)
+    config = config.resolved(causal)
     if max_position_embeddings is not None:
         positions.check_extension(model, spec, max_position_embeddings)
     window = getattr(model.config, "sliding_window", None)
     if window is not None and getattr(model.config, "use_sliding_window", True):
         warnings.warn(f"this {spec.model_type} model attends within a sliding window of {window} tokens; FAVOR "
                       f"attention covers the whole prefix, so outputs differ from the original beyond {window} "
-                      "tokens", stacklevel=2)
+                      "tokens", stacklevel=3)
 
     # --- attach ---
     attention.register()
@@ -130,9 +162,9 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
         positions.extend(model, spec, max_position_embeddings)
     generator = torch.Generator().manual_seed(config.seed)
     favors = []
-    for (_, module), head_dim in zip(targets, head_dims, strict=True):
+    for (_, module), head_dim, heads in zip(targets, head_dims, num_heads, strict=True):
         device = next(module.parameters()).device
-        module.performer = FavorAttention(config, head_dim, generator=generator).to(device)
+        module.performer = FavorAttention(config, head_dim, heads, generator=generator).to(device)
         favors.append(module.performer)
     previous = model.config._attn_implementation
     meta = dict(getattr(model.config, CONFIG_KEY, None) or {})
@@ -148,10 +180,37 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
     limit = position_limit(spec, model.config)
     if limit is not None:
         handles.append(model.register_forward_pre_hook(_check_length_hook(limit, spec.model_type), with_kwargs=True))
-    if any(getattr(module, "is_causal", False) for _, module in targets):
+    if causal:
         handles += generation.install(model, favors)
     model.__dict__["_performer_hooks"] = handles
     return model
+
+
+def _calibration_inputs(inputs) -> dict:
+    if torch.is_tensor(inputs):
+        inputs = {"input_ids": inputs}
+    if not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get("input_ids")) or inputs["input_ids"].dim() != 2:
+        raise ValueError("calibration must be a (batch, length) tensor of input ids or a tokenizer's output with "
+                         "input_ids (return_tensors='pt')")
+    return {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+@torch.no_grad()
+def calibrate(model: PreTrainedModel, inputs) -> None:
+    """Fix FAVOR++'s A of every converted layer from `inputs` (model inputs or input ids), run once with exact
+    attention so that each layer sees the original model's hidden states. Outputs then never depend on the
+    current sequence's statistics: causal favor++ is prefix-invariant and generation equals recomputation."""
+    favors = [m for m in converted_modules(model).values() if m.kernel == "favor++"]
+    inputs = {k: v.to(model.device) for k, v in _calibration_inputs(inputs).items()}
+    for favor in favors:
+        favor.mode, favor._moments = "calibrate", None
+    try:
+        model(**inputs)
+        for favor in favors:
+            favor.finish_calibration()
+    finally:
+        for favor in favors:
+            favor.mode = "favor"
 
 
 def revert(model: PreTrainedModel) -> PreTrainedModel:
@@ -171,16 +230,15 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def redraw_projections(model: torch.nn.Module, generator: torch.Generator | None = None) -> int:
-    """Draw fresh projections for every converted layer; returns how many were redrawn.
+    """Draw fresh projections for every converted layer; returns how many were redrawn (learned projections are
+    trained, never redrawn).
 
     Pass the same seeded generator on every process to keep replicas identical.
     """
     modules = converted_modules(model)
     if not modules:
         raise ValueError("this model is not converted: there are no projections to redraw")
-    for module in modules.values():
-        module.redraw(generator)
-    return len(modules)
+    return sum(module.redraw(generator) for module in modules.values())
 
 
 def performer_settings(config) -> PerformerConfig | None:
@@ -199,32 +257,44 @@ def _weight_files(path: str, hub_kwargs: dict) -> list[str]:
     if index is None:
         raise ValueError(f"{path} has no safetensors weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
     with open(index) as f:
-        shards = sorted({file for key, file in json.load(f)["weight_map"].items() if key.endswith(_PROJECTION_SUFFIX)})
+        shards = sorted({file for key, file in json.load(f)["weight_map"].items() if key.endswith(_SAVED_SUFFIXES)})
     return [cached_file(path, shard, **hub_kwargs) for shard in shards]
 
 
 def _load_projections(model: PreTrainedModel, path: str, hub_kwargs: dict) -> None:
-    wanted = {f"{name}.performer.projection": module for name, module in converted_modules(model).items()}
-    found = {}
+    """Load every layer's saved projection (and FAVOR++ A), checking shape, dtype and finiteness first."""
+    wanted = {}
+    for name, module in converted_modules(model).items():
+        wanted[f"{name}.performer.projection"] = module.projection
+        if module.kernel == "favor++":
+            wanted[f"{name}.performer.favor_a"] = module.favor_a
+    found, where = {}, {}
     for file in _weight_files(path, hub_kwargs):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if key.endswith(_PROJECTION_SUFFIX):
-                    found[key] = f.get_tensor(key)
+                if key.endswith(_SAVED_SUFFIXES):
+                    found[key], where[key] = f.get_tensor(key), file
     missing = sorted(set(wanted) - set(found))
     if missing:
-        raise ValueError(f"{path} lacks the saved projections of {len(missing)} layers (first: {missing[0]}); "
+        raise ValueError(f"{path} lacks the saved FAVOR tensors of {len(missing)} layers (first: {missing[0]}); "
                          "was it saved with save_pretrained after performer_hf.convert?")
+    for key, target in wanted.items():
+        tensor = found[key]
+        if tuple(tensor.shape) != tuple(target.shape) or not tensor.is_floating_point():
+            raise ValueError(f"{where[key]}: {key} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, expected "
+                             f"{tuple(target.shape)} floating point; the file does not match its config.json")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where[key]}: {key} holds NaN or infinite values; the checkpoint is corrupt")
     with torch.no_grad():
-        for key, module in wanted.items():
-            module.projection.copy_(found[key])
+        for key, target in wanted.items():
+            target.copy_(found[key])
 
 
 class _DropProjectionNotices(logging.Filter):
     """transformers reports the saved projections as unexpected keys of the softmax model; they are not."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _PROJECTION_SUFFIX not in record.getMessage()
+        return not any(suffix in record.getMessage() for suffix in _SAVED_SUFFIXES)
 
 
 def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
@@ -259,6 +329,6 @@ def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
     finally:
         for log in loggers:
             log.removeFilter(quiet)
-    convert(model, settings)
+    _convert(model, settings)
     _load_projections(model, path_or_hub_id, hub_kwargs)
     return model

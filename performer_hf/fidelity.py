@@ -14,6 +14,14 @@ def builtin_sentences() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def calibration_batch(tokenizer, count: int = 32, max_length: int = 128):
+    """Model inputs for FAVOR++ calibration: the first `count` training paragraphs of the built-in corpus (never
+    the held-out sentences of the fidelity report)."""
+    from .training.data import builtin_corpus
+
+    return encode(tokenizer, builtin_corpus()[:count], max_length=max_length)
+
+
 def encode(tokenizer, texts: list[str], max_length: int = 128):
     return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 

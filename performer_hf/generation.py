@@ -19,18 +19,18 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import FavorAttention
-from .favor import FavorState
 
 
 class FavorCacheLayer(CacheLayerMixin):
-    """One layer's recurrent FAVOR state, in place of its keys and values."""
+    """One layer's recurrent state, in place of its keys and values: a `FavorState`, or with sinks and a local window
+    a `LocalState` (the FAVOR sums plus the sink and window keys/values)."""
 
     is_compileable = False
     is_croppable = False
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state: FavorState | None = None
+        self.state = None
         self.seen = 0  # tokens folded into the state so far (padding included, as positions count them)
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -63,8 +63,7 @@ class FavorCacheLayer(CacheLayerMixin):
 
     def _map(self, fn) -> None:
         if self.state is not None:
-            s = self.state
-            self.state = FavorState(fn(s.kv), fn(s.max_log_scale), None if s.a is None else fn(s.a))
+            self.state = self.state.map_tensors(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

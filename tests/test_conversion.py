@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import CAUSAL, CONFIGS, inputs, sharpen_attention, tiny_config, tiny_model
+from tiny_models import CAUSAL, CONFIGS, LOCAL, PURE, inputs, sharpen_attention, tiny_config, tiny_model
 
 import performer_hf
 from performer_hf import PerformerConfig
@@ -52,7 +52,7 @@ def test_outputs_approach_the_original_with_many_features(model_type):
     ref = logits(model, ids, mask)
     errors = {}
     for m in (16, 2048):
-        performer_hf.convert(model, num_features=m)
+        performer_hf.convert(model, num_features=m, **PURE)
         errors[m] = rel(logits(model, ids, mask), ref)
         performer_hf.revert(model)
     assert errors[2048] < 0.02, errors
@@ -68,9 +68,10 @@ def test_padding_never_changes_real_tokens_bidirectional(model_type):
     torch.testing.assert_close(padded[-1:, :-4], alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
 @pytest.mark.parametrize("model_type", sorted(CAUSAL))
-def test_causal_prefix_and_left_padding_invariance(model_type):
-    model = performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4)
+def test_causal_prefix_and_left_padding_invariance(model_type, local):
+    model = performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **local)
     ids, _ = inputs(batch=1, length=12)
     full = logits(model, ids)
     prefix = logits(model, ids[:, :7])
@@ -91,7 +92,7 @@ def test_revert_restores_exact_outputs(model_type):
     ids, mask = inputs(pad_last=3)
     ref = logits(model, ids, mask)
     original_impl = model.config._attn_implementation
-    performer_hf.convert(model, num_features=16)
+    performer_hf.convert(model, num_features=16, **PURE)
     assert not torch.equal(logits(model, ids, mask), ref)
     performer_hf.revert(model)
     assert torch.equal(logits(model, ids, mask), ref)
@@ -102,13 +103,14 @@ def test_revert_restores_exact_outputs(model_type):
 
 @pytest.mark.parametrize("model_type", ALL)
 def test_save_and_load_are_bit_identical(model_type, tmp_path):
-    model = performer_hf.convert(tiny_model(model_type), num_features=16, kernel="favor++", seed=7)
+    settings = PerformerConfig(num_features=16, kernel="favor++", seed=7, **LOCAL)
+    model = performer_hf.convert(tiny_model(model_type), settings, calibration=inputs(length=20)[0])
     ids, mask = inputs(pad_last=2)
     out = logits(model, ids, mask)
     model.save_pretrained(tmp_path)
     again = performer_hf.from_pretrained(str(tmp_path)).eval()
     assert type(again) is type(model)
-    assert performer_hf.performer_settings(again.config) == PerformerConfig(num_features=16, kernel="favor++", seed=7)
+    assert performer_hf.performer_settings(again.config) == settings
     assert torch.equal(logits(again, ids, mask), out)
 
 
@@ -135,7 +137,7 @@ def test_same_seed_same_projections_and_layers_differ():
 
 @pytest.mark.parametrize("model_type", ["bert", "gpt2", "llama", "qwen3"])
 def test_bf16_forward(model_type):
-    model = performer_hf.convert(tiny_model(model_type), num_features=64)
+    model = performer_hf.convert(tiny_model(model_type), num_features=64, **PURE)
     ids, mask = inputs(pad_last=2)
     ref = logits(model, ids, mask)
     out = logits(model.to(torch.bfloat16), ids, mask)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import inputs, tiny_model
+from tiny_models import LOCAL, PURE, inputs, tiny_model
 
 import performer_hf
 from performer_hf.generation import PerformerCache
@@ -12,12 +12,13 @@ NO_EOS = dict(eos_token_id=None, pad_token_id=0)
 
 
 def converted(model_type, **kw):
-    return performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **kw)
+    return performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **{**PURE, **kw})
 
 
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
 @pytest.mark.parametrize("model_type", GENERATIVE)
-def test_recurrent_steps_equal_recomputing_the_whole_sequence(model_type):
-    model = converted(model_type)
+def test_recurrent_steps_equal_recomputing_the_whole_sequence(model_type, local):
+    model = converted(model_type, **local)
     ids, _ = inputs(batch=2, length=16)
     cache = PerformerCache()
     with torch.no_grad():
@@ -29,9 +30,10 @@ def test_recurrent_steps_equal_recomputing_the_whole_sequence(model_type):
     assert cache.get_seq_length() == 16
 
 
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
 @pytest.mark.parametrize("model_type", GENERATIVE)
-def test_greedy_generation_with_the_state_equals_generation_without_a_cache(model_type):
-    model = converted(model_type)
+def test_greedy_generation_with_the_state_equals_generation_without_a_cache(model_type, local):
+    model = converted(model_type, **local)
     ids, _ = inputs(batch=1, length=6)
     with_state = model.generate(ids, max_new_tokens=24, do_sample=False, **NO_EOS)
     recomputed = model.generate(ids, max_new_tokens=24, do_sample=False, use_cache=False, **NO_EOS)
@@ -52,9 +54,10 @@ def test_generate_uses_the_constant_size_state():
     assert seen and all(isinstance(c, PerformerCache) for c in seen)
 
 
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "opt"])
-def test_batched_left_padded_prompts_match_each_prompt_alone(model_type):
-    model = converted(model_type)
+def test_batched_left_padded_prompts_match_each_prompt_alone(model_type, local):
+    model = converted(model_type, **local)
     ids, _ = inputs(batch=2, length=10, seed=3)
     short = ids[1:, 4:]  # a 6-token prompt, left-padded to 10 in the batch
     batch = ids.clone()
@@ -68,8 +71,9 @@ def test_batched_left_padded_prompts_match_each_prompt_alone(model_type):
     assert torch.equal(together[0], first[0])
 
 
-def test_beam_search_and_sampling():
-    model = converted("gpt2")
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+def test_beam_search_and_sampling(local):
+    model = converted("gpt2", **local)
     ids, _ = inputs(batch=1, length=5)
     beams = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, **NO_EOS)
     beams_recomputed = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, use_cache=False,
@@ -82,8 +86,9 @@ def test_beam_search_and_sampling():
     assert sampled.shape == (3, 15) and torch.equal(sampled, again)
 
 
-def test_state_size_is_independent_of_context_length():
-    model = converted("llama")
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+def test_state_size_is_independent_of_context_length(local):
+    model = converted("llama", **local)
     sizes = []
     for length in (8, 64, 120):
         cache = PerformerCache()
@@ -116,10 +121,11 @@ def test_revert_restores_the_softmax_cache():
     assert model.generate(ids, max_new_tokens=4, do_sample=False, **NO_EOS).shape == (1, 8)
 
 
-def test_a_softmax_style_cache_still_gives_the_same_tokens():
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+def test_a_softmax_style_cache_still_gives_the_same_tokens(local):
     from transformers import DynamicCache
 
-    model = converted("llama")
+    model = converted("llama", **local)
     ids, _ = inputs(batch=1, length=6)
     ours = model.generate(ids, max_new_tokens=8, do_sample=False, **NO_EOS)
     theirs = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(), **NO_EOS)

@@ -37,7 +37,7 @@ def run(args: Args, model: str) -> int:
     from .. import fidelity
     from ..architectures import lookup, position_limit
     from ..config import PerformerConfig
-    from ..conversion import convert
+    from ..conversion import convert, performer_settings
     from ..hub import atomic_output_dir, check_output_dir, load_pretrained, model_card, push_directory
     from . import UsageError
 
@@ -69,7 +69,9 @@ def run(args: Args, model: str) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
     reference = fidelity.outputs(loaded, batch)
-    convert(loaded, settings, max_position_embeddings=extend_to)
+    calibration = fidelity.calibration_batch(tokenizer, max_length=eval_length) if settings.kernel == "favor++" else None
+    convert(loaded, settings, max_position_embeddings=extend_to, calibration=calibration)
+    settings = performer_settings(loaded.config)  # with the defaults for this model filled in
     loaded.config.performer["base_model"] = model
     is_lm = task in ("masked-lm", "causal-lm")
     metrics = fidelity.compare(reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)

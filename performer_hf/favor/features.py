@@ -48,14 +48,14 @@ def exp_logits(
     a constant cancels in attention.
     """
     if kernel == "favor+":
-        return x @ projection.T, _half_sq_norm(x)  # (..., L, m), (..., L)
+        return x @ projection.mT, _half_sq_norm(x)  # (..., L, m), (..., L)
     if kernel == "hyperbolic":
-        wx = x @ projection.T
+        wx = x @ projection.mT
         return torch.cat([wx, -wx], dim=-1), _half_sq_norm(x)  # (..., L, 2m)
     if kernel == "favor++":
         if a is None:
             raise ValueError("the favor++ feature map needs `a` (see favor_plus_plus_a)")
-        d = projection.shape[1]
+        d = projection.shape[-1]
         a = torch.as_tensor(a, dtype=x.dtype, device=x.device)
         one_minus_4a = 1 - 4 * a  # (...) per batch element and head, or a scalar
         # B w.x + A |w|^2 as one matmul: x gets a column of ones, the projection a column A |w|^2
@@ -103,7 +103,12 @@ def favor_plus_plus_a(q: torch.Tensor, k: torch.Tensor, q_mask=None, k_mask=None
 
     q_sq, q_mean = moments(q, q_mask)
     k_sq, k_mean = moments(k, k_mask)
-    rho = (q_sq + k_sq + 2 * (q_mean * k_mean).sum(-1)) / d
+    return favor_plus_plus_a_from_moments(q_sq, q_mean, k_sq, k_mean)
+
+
+def favor_plus_plus_a_from_moments(q_sq, q_mean, k_sq, k_mean) -> torch.Tensor:
+    """FAVOR++'s A from the mean squared norms (...,) and mean vectors (..., d) of scaled queries and keys."""
+    rho = (q_sq + k_sq + 2 * (q_mean * k_mean).sum(-1)) / q_mean.shape[-1]
     return (1 - 2 * rho - torch.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
 
 
@@ -123,8 +128,8 @@ def trig_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tens
 
     Unbiased but not positive: the attention normaliser can reach zero or go negative. For comparison only.
     """
-    m = projection.shape[0]
-    wx = x @ projection.T
+    m = projection.shape[-2]
+    wx = x @ projection.mT
     base = torch.cat([torch.sin(wx), torch.cos(wx)], dim=-1) / math.sqrt(m)  # (..., L, 2m)
     return base, _half_sq_norm(x)
 
@@ -134,8 +139,8 @@ def relu_features(x: torch.Tensor, projection: torch.Tensor, eps: float = 1e-3) 
 
     Not an approximation of softmax: its own kernel, positive by construction.
     """
-    m = projection.shape[0]
-    base = (torch.relu(x @ projection.T) + eps) / math.sqrt(m)
+    m = projection.shape[-2]
+    base = (torch.relu(x @ projection.mT) + eps) / math.sqrt(m)
     return base, torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
 
 

@@ -46,10 +46,13 @@ class FavorState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def map_tensors(self, fn) -> FavorState:
+        """The same state with `fn` applied to each per-row tensor (beam reordering, batch expansion)."""
+        return FavorState(fn(self.kv), fn(self.max_log_scale), None if self.a is None else fn(self.a))
+
     def index_select(self, batch_index: torch.Tensor) -> FavorState:
         """The state of the chosen batch rows (beam search reordering)."""
-        pick = lambda t: None if t is None else t.index_select(0, batch_index.to(t.device))  # noqa: E731
-        return FavorState(pick(self.kv), pick(self.max_log_scale), pick(self.a))
+        return self.map_tensors(lambda t: t.index_select(0, batch_index.to(t.device)))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,8 +69,10 @@ def _check_inputs(q, k, v, projection, kernel, key_padding_mask):
         raise ValueError(f"q, k, v shapes do not match: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
-    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
-        raise ValueError(f"projection must be (num_features, {q.shape[-1]}), got {tuple(projection.shape)}")
+    if projection.dim() not in (2, 3) or projection.shape[-1] != q.shape[-1] or (
+            projection.dim() == 3 and projection.shape[0] != q.shape[1]):
+        raise ValueError(f"projection must be (num_features, {q.shape[-1]}) or per head ({q.shape[1]}, num_features, "
+                         f"{q.shape[-1]}), got {tuple(projection.shape)}")
     if key_padding_mask is not None and tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
                          f"got {tuple(key_padding_mask.shape)}")
@@ -109,7 +114,7 @@ class _FeatureMap:
 
     def __init__(self, projection, kernel, root, dtype, rep, a):
         # x @ projection.T runs about twice as fast on CPU when projection.T is contiguous
-        self.projection = projection.to(dtype=dtype).T.contiguous().T
+        self.projection = projection.to(dtype=dtype).mT.contiguous().mT
         self.kernel, self.root, self.dtype, self.rep, self.a = kernel, root, dtype, rep, a
         self.exp_family = kernel in EXP_KERNELS
 
@@ -213,7 +218,7 @@ def _block_size(rows: int, features: int) -> int:
 
 def _empty_state(fmap, q, v):
     batch, heads = q.shape[0], q.shape[1]
-    num_feat = fmap.projection.shape[0] * (1 if fmap.kernel in ("favor+", "favor++", "relu") else 2)
+    num_feat = fmap.projection.shape[-2] * (1 if fmap.kernel in ("favor+", "favor++", "relu") else 2)
     kv1 = torch.zeros(batch, heads, num_feat, v.shape[-1] + 1, dtype=fmap.dtype, device=q.device)
     return kv1, torch.full((batch, heads), float("-inf"), dtype=fmap.dtype, device=q.device)
 
@@ -236,7 +241,8 @@ def favor_attention(
     Args:
         q (`torch.Tensor` of shape `(B, H, Lq, D)`), k (`(B, Hkv, Lk, D)`), v (`(B, Hkv, Lk, Dv)`):
             Queries, keys and values; Hkv may divide H (grouped-query attention).
-        projection (`torch.Tensor` of shape `(m, D)`): random projection from `draw_projection`.
+        projection (`torch.Tensor` of shape `(m, D)` or `(H, m, D)`): random projection from `draw_projection`,
+            shared by the heads or one per head.
         kernel (`str`, *optional*, defaults to `"favor+"`): `"favor+"`, `"hyperbolic"`, `"favor++"`, `"trig"`
             (comparison only) or `"relu"` (generalized attention, its own kernel).
         causal (`bool`, *optional*, defaults to `False`): token i attends to keys 0..i (needs Lq == Lk).
@@ -264,7 +270,7 @@ def favor_attention(
         return out
     fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
     kv1, running_max = _empty_state(fmap, q, v)
-    block = _block_size(q.shape[0] * q.shape[1], fmap.projection.shape[0])
+    block = _block_size(q.shape[0] * q.shape[1], fmap.projection.shape[-2])
     for k_c, v_c, mask_c in zip(*_blocks((k, v, mask), block), strict=True):
         kv1, running_max, _ = _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max)
     # kv1 is now relative to the maximum over all real keys; any common scale cancels in the quotient

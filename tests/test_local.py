@@ -1,0 +1,118 @@
+"""Sinks + exact local window + FAVOR for the rest: against an O(L^2) float64 reference."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from performer_hf.favor import causal_local_attention, draw_projection, local_attention
+
+
+def qkv(batch=2, heads=4, kv_heads=2, length=37, dim=8, norm=1.5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, dim, generator=g, dtype=dtype) * norm
+    k = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=dtype) * norm
+    v = torch.randn(batch, kv_heads, length, dim, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def projection(m=16, dim=8, seed=0, dtype=torch.float64):
+    return draw_projection(m, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def reference(q, k, v, w, sinks, window, causal, mask):
+    """Every weight written out: exp(q.k) on the exact set, phi(q).phi(k) elsewhere, one normaliser."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    length, dim, m = q.shape[2], q.shape[-1], w.shape[0]
+    qs, ks = q * dim**-0.25, k * dim**-0.25
+    exact = torch.exp(qs @ ks.transpose(-1, -2))
+    phi = lambda x: torch.exp(x @ w.T - (x**2).sum(-1, keepdim=True) / 2) / math.sqrt(m)  # noqa: E731
+    favor = phi(qs) @ phi(ks).transpose(-1, -2)
+    rank = mask.long().cumsum(-1) - 1
+    is_sink = mask & (rank < sinks)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool)
+    band = (j > i - window) & visible if causal else (i - j).abs() < window
+    in_exact = (band[None] | is_sink[:, None, :]) & visible[None] & mask[:, None, :]
+    in_favor = visible[None] & mask[:, None, :] & ~in_exact
+    weights = torch.where(in_exact[:, None], exact, 0) + torch.where(in_favor[:, None], favor, 0)
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+def run(causal, q, k, v, w, **kw):
+    if causal:
+        return causal_local_attention(q, k, v, projection=w, chunk_size=8, **kw)[0]
+    return local_attention(q, k, v, projection=w, chunk_size=8, **kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("sinks, window", [(0, 1), (2, 5), (3, 0), (0, 7), (4, 40), (1, 9)])
+def test_matches_the_quadratic_reference_with_padding(causal, sinks, window):
+    q, k, v = qkv()
+    w = projection()
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    if causal:
+        mask[1, :6] = False  # left padding: the sinks of row 1 are its first real tokens
+    else:
+        mask[1, -6:] = False
+    out = run(causal, q, k, v, w, sink_tokens=sinks, local_window=window, key_padding_mask=mask)
+    ref = reference(q, k, v, w, sinks, window, causal, mask)
+    real = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_is_exact_softmax_when_sinks_and_window_cover_the_sequence(causal):
+    q, k, v = qkv(length=20)
+    out = run(causal, q, k, v, projection(), sink_tokens=2, local_window=20 if causal else 20)
+    rep = q.shape[1] // k.shape[1]
+    exact = sdpa(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal)
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
+
+
+def test_prefill_then_steps_equal_one_call_and_the_state_stays_the_same_size():
+    q, k, v = qkv(length=40)
+    w = projection()
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :5] = False
+    settings = dict(projection=w, sink_tokens=2, local_window=5, chunk_size=4)
+    whole, _ = causal_local_attention(q, k, v, key_padding_mask=mask, **settings)
+    out, state = causal_local_attention(q[:, :, :11], k[:, :, :11], v[:, :, :11], key_padding_mask=mask[:, :11],
+                                        **settings)
+    outs, sizes = [out], set()
+    for t in range(11, 40):
+        step = slice(t, t + 1)
+        out, state = causal_local_attention(q[:, :, step], k[:, :, step], v[:, :, step], state=state,
+                                            key_padding_mask=mask[:, step], **settings)
+        outs.append(out)
+        sizes.add(state.nbytes())
+    torch.testing.assert_close(torch.cat(outs, 2), whole, rtol=1e-12, atol=1e-12)
+    assert len(sizes) == 1 and state.position == 40
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_low_precision_with_large_norms_stays_finite(causal):
+    q, k, v = qkv(batch=1, length=300, dim=64, norm=3.0, dtype=torch.float32)  # scaled norms ~ 3 sqrt(8)
+    w = draw_projection(64, 64, generator=torch.Generator().manual_seed(0))
+    out = run(causal, q.bfloat16(), k.bfloat16(), v.bfloat16(), w, sink_tokens=4, local_window=16)
+    ref = run(causal, q.double(), k.double(), v.double(), w.double(), sink_tokens=4, local_window=16)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_per_head_projections_and_gradients():
+    q, k, v = qkv(batch=1, length=12, norm=1.0)
+    w = torch.stack([projection(seed=s) for s in range(4)]).requires_grad_(True)  # (H, m, D)
+    ref = reference(q, k, v, w[1].detach(), 1, 3, True, torch.ones(1, 12, dtype=torch.bool))[:, 1]
+    out = run(True, q, k, v, w, sink_tokens=1, local_window=3)
+    torch.testing.assert_close(out[:, 1], ref, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda p: run(True, q, k, v, p, sink_tokens=1, local_window=3), (w,))
+    assert torch.autograd.gradcheck(lambda p: run(False, q, k, v, p, sink_tokens=1, local_window=3), (w,))
+
+
+def test_kernels_that_do_not_estimate_softmax_are_refused():
+    q, k, v = qkv(length=8)
+    with pytest.raises(ValueError, match="cannot share a normaliser"):
+        run(True, q, k, v, projection(), kernel="relu", sink_tokens=1, local_window=2)
