@@ -189,7 +189,8 @@ def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embed
 def _calibration_inputs(inputs) -> dict:
     if torch.is_tensor(inputs):
         inputs = {"input_ids": inputs}
-    if not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get("input_ids")) or inputs["input_ids"].dim() != 2:
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+    if not torch.is_tensor(ids) or ids.dim() != 2:
         raise ValueError("calibration must be a (batch, length) tensor of input ids or a tokenizer's output with "
                          "input_ids (return_tensors='pt')")
     return {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}

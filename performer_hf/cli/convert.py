@@ -69,7 +69,9 @@ def run(args: Args, model: str) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
     reference = fidelity.outputs(loaded, batch)
-    calibration = fidelity.calibration_batch(tokenizer, max_length=eval_length) if settings.kernel == "favor++" else None
+    calibration = None
+    if settings.kernel == "favor++":
+        calibration = fidelity.calibration_batch(tokenizer, max_length=eval_length)
     convert(loaded, settings, max_position_embeddings=extend_to, calibration=calibration)
     settings = performer_settings(loaded.config)  # with the defaults for this model filled in
     loaded.config.performer["base_model"] = model

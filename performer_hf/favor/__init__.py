@@ -20,8 +20,9 @@ from .local import LocalState, causal_local_attention, local_attention
 from .projections import NORM_KINDS, PROJECTION_KINDS, draw_projection, hadamard_matrix
 
 __all__ = [
-    "EXP_KERNELS", "exp_logits", "KERNELS", "POSITIVE_KERNELS", "NORM_KINDS", "PROJECTION_KINDS",
-    "FavorState", "LocalState", "causal_favor_attention", "causal_local_attention", "local_attention", "draw_projection", "favor_attention", "favor_plus_plus_a", "favor_plus_plus_a_from_moments",
-    "favor_plus_plus_features", "favor_step", "feature_map", "hadamard_matrix", "hyperbolic_features", "materialize",
-    "positive_features", "relu_features", "trig_features",
+    "EXP_KERNELS", "exp_logits", "KERNELS", "POSITIVE_KERNELS", "NORM_KINDS", "PROJECTION_KINDS", "FavorState",
+    "LocalState", "causal_favor_attention", "causal_local_attention", "local_attention", "draw_projection",
+    "favor_attention", "favor_plus_plus_a", "favor_plus_plus_a_from_moments", "favor_plus_plus_features",
+    "favor_step", "feature_map", "hadamard_matrix", "hyperbolic_features", "materialize", "positive_features",
+    "relu_features", "trig_features",
 ]

@@ -92,7 +92,6 @@ def favor_plus_plus_a(q: torch.Tensor, k: torch.Tensor, q_mask=None, k_mask=None
     from means and mean squared norms in O(L d). Masks (`(..., L)`, True = real token) keep padding out of the
     statistics. Returns A with shape `q.shape[:-2]` (one value per batch element and head); always negative.
     """
-    d = q.shape[-1]
 
     def moments(x, mask):
         if mask is None:

@@ -75,8 +75,8 @@ class LocalState:
 
 def check_local(kernel: str, sink_tokens: int, local_window: int) -> None:
     if (sink_tokens or local_window) and kernel not in EXP_KERNELS:
-        raise ValueError(f"sink_tokens and local_window need a kernel that estimates exp(q.k) ({', '.join(EXP_KERNELS)})"
-                         f"; {kernel!r} cannot share a normaliser with exact softmax weights")
+        raise ValueError(f"sink_tokens and local_window need a kernel that estimates exp(q.k) "
+                         f"({', '.join(EXP_KERNELS)}); {kernel!r} cannot share a normaliser with exact softmax weights")
 
 
 def _query_terms(fmap, q):
@@ -127,10 +127,10 @@ def _initial_state(fmap, q, k, v, window, sinks):
     lag = max(window - 1, 0)
     zeros = lambda *shape: torch.zeros(*shape, dtype=fmap.dtype, device=q.device)  # noqa: E731
     falses = lambda *shape: torch.zeros(*shape, dtype=torch.bool, device=q.device)  # noqa: E731
-    return LocalState(FavorState(kv1, running_max), zeros(batch, kv_heads, lag, dim), zeros(batch, kv_heads, lag, dim_v),
-                      falses(batch, lag), falses(batch, lag), zeros(batch, kv_heads, sinks, dim),
-                      zeros(batch, kv_heads, sinks, dim_v), torch.zeros(batch, sinks, dtype=torch.long, device=q.device),
-                      falses(batch, sinks), 0)
+    return LocalState(FavorState(kv1, running_max), zeros(batch, kv_heads, lag, dim),
+                      zeros(batch, kv_heads, lag, dim_v), falses(batch, lag), falses(batch, lag),
+                      zeros(batch, kv_heads, sinks, dim), zeros(batch, kv_heads, sinks, dim_v),
+                      torch.zeros(batch, sinks, dtype=torch.long, device=q.device), falses(batch, sinks), 0)
 
 
 def causal_local_attention(
