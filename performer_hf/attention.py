@@ -56,6 +56,7 @@ class FavorAttention(nn.Module):
         self.chunk_size = config.chunk_size
         self.sink_tokens = config.sink_tokens or 0
         self.local_window = config.local_window or 0
+        self.favor_beyond_window = config.favor_beyond_window
         self.learned = config.learned_features
         self.per_head = config.per_head_features
         self.head_dim, self.num_heads = head_dim, num_heads
@@ -101,7 +102,7 @@ class FavorAttention(nn.Module):
         """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) and, in causal mode, the new recurrent state."""
         common = dict(projection=self.projection, kernel=self.kernel, key_padding_mask=key_padding_mask,
                       scale=scale, a=self._favor_a(), chunk_size=self.chunk_size)
-        local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window)
+        local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window, favor=self.favor_beyond_window)
         if causal:
             if self.is_local:
                 return causal_local_attention(query, key, value, state=state, **common, **local)
@@ -135,6 +136,7 @@ class FavorAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", sinks={self.sink_tokens}, window={self.local_window}" if self.is_local else ""
+        extra += "" if self.favor_beyond_window else ", nothing beyond the window"
         extra += ", learned" if self.learned else ""
         extra += ", per-head" if self.per_head else ""
         return (f"kernel={self.kernel!r}, num_features={self.num_features}, head_dim={self.head_dim}, "

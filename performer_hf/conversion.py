@@ -89,7 +89,7 @@ def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
     Args:
         model (`PreTrainedModel`): a loaded transformers model of a supported `model_type` (any head class).
         config (`PerformerConfig`, *optional*): the settings; defaults to `PerformerConfig()` (for causal models:
-            exact attention to 4 sink tokens and the 64 most recent keys, FAVOR for the rest; for bidirectional
+            exact attention to 4 sink tokens and the 128 most recent keys, FAVOR for the rest; for bidirectional
             models: pure FAVOR).
         max_position_embeddings (`int`, *optional*): accept inputs of this many tokens: learned absolute position
             tables are extended by repeating the pretrained table (fine-tune at the new length afterwards); rotary

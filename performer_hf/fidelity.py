@@ -17,7 +17,7 @@ def builtin_sentences() -> list[str]:
 def calibration_batch(tokenizer, count: int = 32, max_length: int = 128):
     """Model inputs for FAVOR++ calibration: the first `count` training paragraphs of the built-in corpus (never
     the held-out sentences of the fidelity report)."""
-    from .training.data import builtin_corpus
+    from .corpus import builtin_corpus
 
     return encode(tokenizer, builtin_corpus()[:count], max_length=max_length)
 
@@ -69,3 +69,46 @@ def format_report(metrics: dict, title: str = "fidelity to the original softmax 
     lines = [f"| {title} | value |", "|---|---|"]
     lines += [f"| {names.get(k, k)} | {v:.4f} |" for k, v in metrics.items()]
     return "\n".join(lines)
+
+
+def token_windows(tokenizer, texts: list[str], length: int, count: int) -> torch.Tensor:
+    """`count` consecutive windows of `length` tokens from the texts joined by blank lines: (count, length).
+
+    Raises `ValueError` when the texts are too short for that many windows.
+    """
+    ids = []
+    for text in texts:
+        ids += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= length * count:
+            break
+    if len(ids) < length * count:
+        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than {count} windows of {length}")
+    return torch.tensor(ids[: length * count]).view(count, length)
+
+
+@torch.no_grad()
+def lm_report(model, windows: torch.Tensor, reference: list[torch.Tensor] | None = None,
+              batch_size: int = 1) -> tuple[dict, list[torch.Tensor]]:
+    """Held-out figures of a causal LM on token windows (count, length), each window its own sequence.
+
+    Returns `({"perplexity", and with a reference: "kl", "top1"}, log-probabilities per window)`; pass the
+    original model's log-probabilities as `reference` to compare. Perplexity is exp of the mean next-token loss over
+    every predicted token; KL(original || converted) and top-1 agreement are means over every position.
+    """
+    nll, count, kl, agree, logprobs = 0.0, 0, 0.0, 0.0, []
+    for start in range(0, windows.shape[0], batch_size):
+        ids = windows[start : start + batch_size].to(model.device)
+        logp = model(input_ids=ids).logits.float().log_softmax(-1).cpu()  # (b, L, V)
+        nll -= logp[:, :-1].gather(-1, ids[:, 1:].cpu().unsqueeze(-1)).sum().item()
+        count += ids[:, 1:].numel()
+        for row in range(ids.shape[0]):
+            logprobs.append(logp[row])
+            if reference is not None:
+                ref = reference[start + row]
+                kl += (ref.exp() * (ref - logp[row])).sum().item()
+                agree += (ref.argmax(-1) == logp[row].argmax(-1)).sum().item()
+    metrics = {"perplexity": float(torch.tensor(nll / count).exp())}
+    if reference is not None:
+        positions = windows.numel()
+        metrics.update(kl=max(kl / positions, 0.0), top1=agree / positions)
+    return metrics, logprobs

@@ -66,24 +66,72 @@ def task_of_architecture(architecture: str) -> str:
     return "base"
 
 
-def load_pretrained(model_id: str, task: str = "auto", **kwargs):
+def split_gguf(model_id: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """`(directory or Hub id, GGUF file name or None)`: a path to a `.gguf` file stands for its directory and name."""
+    path = Path(model_id).expanduser()
+    if gguf_file is None and path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise LoadError(f"{model_id}: no such GGUF file")
+        return str(path.parent), path.name
+    return model_id, gguf_file
+
+
+def dequantized(model):
+    """A plain copy of a model that transformers loaded from a GGUF file.
+
+    transformers dequantises GGUF tensors on load but keeps the model marked as quantized, and such a model refuses
+    `save_pretrained`. The same class built from the config without its quantization settings, with the same state
+    dict, gives identical outputs and saves normally.
+    """
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)
+    dtype = next(model.parameters()).dtype
+    plain = type(model)(config).to(dtype)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    tied = set(getattr(plain, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"the GGUF checkpoint does not map onto {type(model).__name__}: missing "
+                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    plain.tie_weights()
+    return plain.eval()
+
+
+def load_pretrained(model_id: str, task: str = "auto", gguf_file: str | None = None, **kwargs):
     """Load `(model, tokenizer, task)` for conversion; every failure is a `LoadError` or a `ValueError` (unsupported
-    architecture, checked from the config before any weights are fetched)."""
+    architecture, checked from the config before any weights are fetched).
+
+    `gguf_file` (or a `model_id` that is a path to a `.gguf` file) loads a GGUF checkpoint with the `gguf` package,
+    dequantised to a plain float32 model that converts and saves like any other.
+    """
     import transformers
 
     from .architectures import lookup
 
+    model_id, gguf_file = split_gguf(model_id, gguf_file)
+    if gguf_file is not None:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            raise LoadError("reading GGUF checkpoints needs the gguf package: pip install gguf") from None
+        kwargs = {**kwargs, "gguf_file": gguf_file}
     try:
         config = transformers.AutoConfig.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
         raise LoadError(load_error_message(model_id, err)) from err
     lookup(config.model_type)  # refuse unsupported architectures before downloading weights
     task = resolve_task(config, task)
+    if task == "base" and gguf_file is not None and config.model_type in ("llama", "mistral", "qwen2", "qwen3",
+                                                                          "phi3", "gpt2", "gpt_neox"):
+        task = "causal-lm"  # GGUF files hold language models; their config names no head class
     try:
         model = getattr(transformers, TASK_CLASSES[task]).from_pretrained(model_id, config=config, **kwargs)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
         raise LoadError(load_error_message(model_id, err)) from err
+    if gguf_file is not None:
+        model = dequantized(model)
     return model.eval(), tokenizer, task
 
 

@@ -116,3 +116,15 @@ def test_kernels_that_do_not_estimate_softmax_are_refused():
     q, k, v = qkv(length=8)
     with pytest.raises(ValueError, match="cannot share a normaliser"):
         run(True, q, k, v, projection(), kernel="relu", sink_tokens=1, local_window=2)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_without_favor_only_sinks_and_window_count(causal):
+    q, k, v = qkv(batch=1, length=30)
+    out = run(causal, q, k, v, projection(), sink_tokens=2, local_window=4, favor=False)
+    rep = q.shape[1] // k.shape[1]
+    i, j = torch.arange(30)[:, None], torch.arange(30)[None]
+    band = ((j <= i) & (j > i - 4)) if causal else (i - j).abs() < 4
+    allowed = band | ((j < 2) & ((j <= i) if causal else True))
+    exact = sdpa(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=allowed)
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)

@@ -18,7 +18,8 @@ from performer_hf.cli import main
 from performer_hf.training import FinetuneArgs, TrainingDiverged, builtin_corpus, finetune
 from performer_hf.training.data import load_texts
 
-QUICK = dict(max_length=32, batch_size=8, learning_rate=1e-3, logging_steps=1, progress=False, max_eval_samples=16)
+QUICK = dict(corpus="stdlib", max_length=32, batch_size=8, learning_rate=1e-3, logging_steps=1, progress=False,
+             max_eval_samples=16)
 
 
 def converted_dir(tmp_path, model_type="bert", head=None, name="conv", init_range=None, **settings):
@@ -199,7 +200,7 @@ def test_accelerate_launch_two_processes(tmp_path):
     cmd = [str(launcher), "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "performer_hf.cli", "finetune", model_dir, "--out", str(tmp_path / "ddp"),
            "--max-steps", "4", "--max-length", "32", "--batch-size", "4", "--redraw-interval", "2",
-           "--logging-steps", "1", "--save-steps", "2", "--progress", "false"]
+           "--logging-steps", "1", "--save-steps", "2", "--progress", "false", "--corpus", "stdlib"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -47,7 +47,7 @@ HEADS = {  # the LM head of each, then the other head classes tested
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-# Causal models convert by default with exact sinks and a 64-token window, which covers the short test sequences
+# Causal models convert by default with exact sinks and a 128-token window, which covers the short test sequences
 # entirely; tests of the FAVOR path itself ask for pure FAVOR, or for a window shorter than their inputs.
 PURE = dict(sink_tokens=0, local_window=0)
 LOCAL = dict(sink_tokens=2, local_window=3)

@@ -23,6 +23,18 @@ class Args:
     projection: str = field(default="orthogonal", metadata={"help": "random projection",
                                                             "choices": ["orthogonal", "gaussian", "structured"]})
     seed: int = field(default=0, metadata={"help": "seed of the projections"})
+    sink_tokens: int | None = field(default=None, metadata={"help": "exact attention to the first S real tokens "
+                                                                     "(default: 4 for causal models, 0 otherwise)"})
+    local_window: int | None = field(default=None, metadata={"help": "exact attention to the W most recent keys, "
+                                                                     "FAVOR for the rest (default: 128 for causal "
+                                                                     "models, 0 otherwise; 0 = pure FAVOR)"})
+    learned_features: bool = field(default=False, metadata={"help": "trainable projections (for attention "
+                                                                    "transfer: performer-hf finetune --stage "
+                                                                    "attention)"})
+    per_head_features: bool = field(default=False, metadata={"help": "one projection per head"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside MODEL's directory (or pass "
+                                                                  "the .gguf path as MODEL); needs `pip install "
+                                                                  "gguf`"})
     max_length: int | None = field(default=None, metadata={"help": "longest input in tokens: a learned position "
                                                                    "table shorter than this is extended (fine-tune "
                                                                    "at the new length); sets the tokenizer's limit"})
@@ -38,14 +50,16 @@ def run(args: Args, model: str) -> int:
     from ..architectures import lookup, position_limit
     from ..config import PerformerConfig
     from ..conversion import convert, performer_settings
-    from ..hub import atomic_output_dir, check_output_dir, load_pretrained, model_card, push_directory
+    from ..hub import atomic_output_dir, check_output_dir, load_pretrained, model_card, push_directory, split_gguf
     from . import UsageError
 
     out = Path(args.out)
     try:
         check_output_dir(out, args.overwrite)
         settings = PerformerConfig(num_features=args.num_features, kernel=args.kernel, projection=args.projection,
-                                   seed=args.seed)
+                                   seed=args.seed, sink_tokens=args.sink_tokens, local_window=args.local_window,
+                                   learned_features=args.learned_features,
+                                   per_head_features=args.per_head_features)
     except (FileExistsError, ValueError) as err:
         raise UsageError(str(err)) from err
     texts = fidelity.builtin_sentences()
@@ -59,7 +73,8 @@ def run(args: Args, model: str) -> int:
 
     if args.max_length is not None and args.max_length < 1:
         raise UsageError(f"--max-length must be positive, got {args.max_length}")
-    loaded, tokenizer, task = load_pretrained(model, args.task)
+    loaded, tokenizer, task = load_pretrained(model, args.task, gguf_file=args.gguf_file)
+    model, gguf_file = split_gguf(model, args.gguf_file)
     limit = position_limit(lookup(loaded.config.model_type), loaded.config)
     extend_to = args.max_length if args.max_length is not None and (limit is None or args.max_length > limit) else None
     if args.max_length is not None:
@@ -75,6 +90,8 @@ def run(args: Args, model: str) -> int:
     convert(loaded, settings, max_position_embeddings=extend_to, calibration=calibration)
     settings = performer_settings(loaded.config)  # with the defaults for this model filled in
     loaded.config.performer["base_model"] = model
+    if gguf_file is not None:
+        loaded.config.performer["base_model_gguf_file"] = gguf_file
     is_lm = task in ("masked-lm", "causal-lm")
     metrics = fidelity.compare(reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)
     report = fidelity.format_report(metrics)

@@ -147,11 +147,13 @@ def causal_local_attention(
     scale: float | None = None,
     a: torch.Tensor | float | None = None,
     state: LocalState | None = None,
+    favor: bool = True,
 ) -> tuple[torch.Tensor, LocalState]:
     """Causal sink + window + FAVOR attention continuing from `state`; returns the output and the new state.
 
     Arguments as in `causal_favor_attention`, plus `sink_tokens` (S) and `local_window` (W). With S + W at least
-    the sequence length this is exact causal softmax attention.
+    the sequence length this is exact causal softmax attention. `favor=False` drops the keys beyond the sinks and
+    the window instead (StreamingLLM's attention; for comparison).
     """
     _check_inputs(q, k, v, projection, kernel, key_padding_mask)
     check_local(kernel, sink_tokens, local_window)
@@ -166,7 +168,7 @@ def causal_local_attention(
         _, state = causal_local_attention(
             _repeat(k[:, :, :prefix], q.shape[1] // k.shape[1]), k[:, :, :prefix], v[:, :, :prefix],
             projection=projection, kernel=kernel, sink_tokens=sink_tokens, local_window=local_window,
-            key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state)
+            key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state, favor=favor)
         k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
     if state is not None and state.favor.a is not None:
         a = state.favor.a
@@ -216,6 +218,10 @@ def causal_local_attention(
         # FAVOR: the state holds keys at least W before the block; the span's first c keys leave the window
         # during the block (key r < c counts for query i when r <= i + lag - W) and fold in afterwards
         q_base, q_log = _query_terms(fmap, q_c)
+        if not favor:
+            outputs.append(_combine(exact, values, torch.zeros_like(q_base[..., :1]).expand(*q_base.shape[:-1],
+                                                                                           v.shape[-1] + 1), q_log))
+            continue
         leaving = slice(start, start + c)
         u, offset, log_scale = fmap.keys(all_k[:, :, leaving], favor_ok[:, None, leaving])
         new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
@@ -250,9 +256,11 @@ def local_attention(
     chunk_size: int = 64,
     scale: float | None = None,
     a: torch.Tensor | float | None = None,
+    favor: bool = True,
 ) -> torch.Tensor:
     """Bidirectional sink + band + FAVOR attention (self-attention: Lq == Lk). Exact weights for the first
-    `sink_tokens` real tokens and for keys with |i - j| < `local_window`; FAVOR for the rest."""
+    `sink_tokens` real tokens and for keys with |i - j| < `local_window`; FAVOR for the rest (dropped with
+    `favor=False`, for comparison)."""
     _check_inputs(q, k, v, projection, kernel, key_padding_mask)
     check_local(kernel, sink_tokens, local_window)
     if q.shape[2] != k.shape[2]:
@@ -290,6 +298,6 @@ def local_attention(
         in_band = (band & favor_ok[:, None, lo:hi]).to(fmap.dtype)[:, None]
         band_favor = ((q_base @ k_feat.transpose(-1, -2)) * in_band) @ values[0]
         favor1 = q_base @ kv1 - band_favor  # the band's FAVOR terms taken out of the total
-        favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0)
+        favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0) if favor else torch.zeros_like(favor1)
         outputs.append(_combine(exact, values, favor1, q_log + safe_max.unsqueeze(-1)))
     return torch.cat(outputs, dim=2).to(q.dtype)

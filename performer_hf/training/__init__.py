@@ -1,7 +1,7 @@
 """Fine-tuning converted models back towards their originals (accelerate loop, masked/causal LM, distillation)."""
 
+from ..corpus import builtin_corpus
 from .args import FinetuneArgs
-from .data import builtin_corpus
 from .loop import TrainingDiverged, finetune
 
 __all__ = ["FinetuneArgs", "TrainingDiverged", "builtin_corpus", "finetune"]

@@ -1,84 +1,15 @@
-"""Training data: a Hub dataset, local files, or the built-in corpus; tokenised and packed into fixed blocks."""
+"""Training data: a Hub dataset, local files, or a built-in corpus (`performer_hf.corpus`); tokenised and packed
+into fixed blocks."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib
-import inspect
-import re
 from itertools import chain
 from pathlib import Path
 
 import torch
 
-# Standard-library modules whose documentation is plain English prose. Built at run time on any machine, so the
-# demo and the tests need no download. The exact text depends on the Python version.
-CORPUS_MODULES = (
-    "abc argparse array asyncio base64 bisect bz2 calendar cmd codecs collections colorsys configparser contextlib "
-    "copy csv dataclasses datetime decimal difflib dis email enum filecmp fileinput fnmatch fractions ftplib "
-    "functools gettext getopt glob gzip hashlib heapq hmac html imaplib inspect io ipaddress itertools json "
-    "keyword linecache locale logging lzma mailbox mimetypes numbers operator optparse os pathlib pickle pkgutil "
-    "platform plistlib poplib pprint profile pstats queue quopri random re reprlib sched secrets selectors shelve "
-    "shlex shutil signal smtplib socket socketserver sqlite3 ssl statistics string struct subprocess symtable "
-    "tarfile tempfile textwrap threading timeit tokenize trace traceback types typing unittest urllib.parse "
-    "urllib.request uuid warnings wave weakref xml.dom.minidom zipfile zipimport"
-).split()
-
-_PROSE = re.compile(r"^[A-Z][^\n]*[a-z][.!?:]?$")
-
-
-def _paragraphs(doc: str) -> list[str]:
-    """Prose paragraphs of a docstring: no code, no tables, at least 8 words, mostly letters."""
-    out = []
-    for block in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
-        if any(marker in block for marker in (">>>", "::", "    ", "\t", "|", "{", "}")):
-            continue
-        text = " ".join(block.split())
-        words = text.split()
-        letters = sum(c.isalpha() or c.isspace() for c in text) / max(1, len(text))
-        if len(words) >= 8 and letters > 0.85 and _PROSE.match(text):
-            out.append(text)
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _builtin_corpus() -> tuple[str, ...]:
-    return tuple(_collect_corpus())
-
-
-def builtin_corpus() -> list[str]:
-    """English paragraphs from the docstrings of standard-library modules, their classes and functions.
-
-    Deterministic for a given Python version (about 1,800 paragraphs, 240 kB on Python 3.11). Built, not downloaded.
-    """
-    return list(_builtin_corpus())
-
-
-def _collect_corpus() -> list[str]:
-    seen, paragraphs = set(), []
-    for name in CORPUS_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # a module missing from this build of Python
-            continue
-        objects = [module] + [obj for attr, obj in sorted(vars(module).items())
-                              if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
-                              and getattr(obj, "__module__", None) == module.__name__]
-        for obj in objects:
-            members = [obj] + ([m for attr, m in sorted(vars(obj).items())
-                                if not attr.startswith("_") and inspect.isfunction(m)] if inspect.isclass(obj) else [])
-            for member in members:
-                for paragraph in _paragraphs(inspect.getdoc(member) or ""):
-                    if paragraph not in seen:
-                        seen.add(paragraph)
-                        paragraphs.append(paragraph)
-    return paragraphs
-
-
-def _held_out(text: str, percent: int) -> bool:
-    """A stable train/validation split by content hash (the same on every machine and process)."""
-    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) % 100 < percent
+from ..corpus import corpus_split
 
 
 def _file_format(path: str) -> str:
@@ -115,9 +46,7 @@ def load_texts(args):
                           f"{str(err).splitlines()[0] if str(err) else ''}); use --train-file with local data, or "
                           "set HF_HUB_OFFLINE=1 to use the cache") from err
     else:
-        texts = builtin_corpus()
-        train = [t for t in texts if not _held_out(t, args.validation_percent)]
-        valid = [t for t in texts if _held_out(t, args.validation_percent)]
+        train, valid = corpus_split(args.corpus, args.validation_percent)
         return datasets.DatasetDict({"train": datasets.Dataset.from_dict({args.text_column: train}),
                                      "validation": datasets.Dataset.from_dict({args.text_column: valid})})
     if args.text_column not in raw["train"].column_names:
