@@ -68,14 +68,16 @@ class FavorAttention(nn.Module):
             self.projection = nn.Parameter(projection)
         else:
             self.register_buffer("projection", projection)
+        if self.learned and self.is_local:  # per head, log-weight of the FAVOR terms against the exact ones
+            self.favor_bias = nn.Parameter(torch.zeros(num_heads, device=device))
         if self.kernel == "favor++":  # filled by calibration at conversion, saved with the model
             self.register_buffer("favor_a", torch.full((num_heads,), float("nan"), device=device))
 
     def _draw(self, generator, device):
-        heads = (self.num_heads,) if self.per_head else ()
         draws = [draw_projection(self.num_features, self.head_dim, kind=self.projection_kind, norms=self.norms,
-                                 generator=generator, device=device, dtype=torch.float32) for _ in heads or (1,)]
-        return torch.stack(draws) if heads else draws[0]
+                                 generator=generator, device=device, dtype=torch.float32)
+                 for _ in range(self.num_heads if self.per_head else 1)]
+        return torch.stack(draws) if self.per_head else draws[0]  # (H, m, d) or (m, d)
 
     @property
     def is_local(self) -> bool:
@@ -102,7 +104,8 @@ class FavorAttention(nn.Module):
         """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) and, in causal mode, the new recurrent state."""
         common = dict(projection=self.projection, kernel=self.kernel, key_padding_mask=key_padding_mask,
                       scale=scale, a=self._favor_a(), chunk_size=self.chunk_size)
-        local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window, favor=self.favor_beyond_window)
+        local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window, favor=self.favor_beyond_window,
+                     favor_bias=getattr(self, "favor_bias", None))
         if causal:
             if self.is_local:
                 return causal_local_attention(query, key, value, state=state, **common, **local)

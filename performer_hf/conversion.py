@@ -26,7 +26,7 @@ from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
 
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder",
                "trust_remote_code")
-_SAVED_SUFFIXES = ("performer.projection", "performer.favor_a")
+_SAVED_SUFFIXES = ("performer.projection", "performer.favor_a", "performer.favor_bias")
 
 
 def converted_modules(model: torch.nn.Module) -> dict[str, FavorAttention]:
@@ -263,12 +263,10 @@ def _weight_files(path: str, hub_kwargs: dict) -> list[str]:
 
 
 def _load_projections(model: PreTrainedModel, path: str, hub_kwargs: dict) -> None:
-    """Load every layer's saved projection (and FAVOR++ A), checking shape, dtype and finiteness first."""
-    wanted = {}
-    for name, module in converted_modules(model).items():
-        wanted[f"{name}.performer.projection"] = module.projection
-        if module.kernel == "favor++":
-            wanted[f"{name}.performer.favor_a"] = module.favor_a
+    """Load every layer's saved FAVOR tensors (projection, FAVOR++ A, learned scales), checking shape, dtype and
+    finiteness first."""
+    wanted = {f"{name}.performer.{key}": tensor for name, module in converted_modules(model).items()
+              for key, tensor in module.state_dict(keep_vars=True).items()}
     found, where = {}, {}
     for file in _weight_files(path, hub_kwargs):
         with safe_open(file, framework="pt") as f:

@@ -79,13 +79,16 @@ def check_local(kernel: str, sink_tokens: int, local_window: int) -> None:
                          f"({', '.join(EXP_KERNELS)}); {kernel!r} cannot share a normaliser with exact softmax weights")
 
 
-def _query_terms(fmap, q):
+def _query_terms(fmap, q, favor_bias=None):
     """Query features as `(base, log_scale)` with phi(q) = base * exp(log_scale), the 1/m' of phi(q).phi(k)
-    included in log_scale (in plain FAVOR it cancels; here it must not)."""
+    included in log_scale (in plain FAVOR it cancels; here it must not), plus a per-head `favor_bias` (H,)."""
     q = fmap._scaled(q)
     u, offset = exp_logits(q, fmap.projection, fmap.kernel, fmap.a)  # (B, H, C, m'), (B, H, C)
     top = u.detach().amax(dim=-1)
-    return (u - top.unsqueeze(-1)).exp(), top - offset - math.log(u.shape[-1])
+    log_scale = top - offset - math.log(u.shape[-1])
+    if favor_bias is not None:
+        log_scale = log_scale + favor_bias.to(log_scale.dtype)[:, None]
+    return (u - top.unsqueeze(-1)).exp(), log_scale
 
 
 def _combine(exact_logits, exact_v1, favor1, favor_log_scale):
@@ -148,12 +151,14 @@ def causal_local_attention(
     a: torch.Tensor | float | None = None,
     state: LocalState | None = None,
     favor: bool = True,
+    favor_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LocalState]:
     """Causal sink + window + FAVOR attention continuing from `state`; returns the output and the new state.
 
     Arguments as in `causal_favor_attention`, plus `sink_tokens` (S) and `local_window` (W). With S + W at least
     the sequence length this is exact causal softmax attention. `favor=False` drops the keys beyond the sinks and
-    the window instead (StreamingLLM's attention; for comparison).
+    the window instead (StreamingLLM's attention; for comparison). `favor_bias` (H,) adds a per-head log-weight to
+    every FAVOR term (learned: how much a head trusts its estimate of the far context).
     """
     _check_inputs(q, k, v, projection, kernel, key_padding_mask)
     check_local(kernel, sink_tokens, local_window)
@@ -168,7 +173,8 @@ def causal_local_attention(
         _, state = causal_local_attention(
             _repeat(k[:, :, :prefix], q.shape[1] // k.shape[1]), k[:, :, :prefix], v[:, :, :prefix],
             projection=projection, kernel=kernel, sink_tokens=sink_tokens, local_window=local_window,
-            key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state, favor=favor)
+            key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state, favor=favor,
+            favor_bias=favor_bias)
         k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
     if state is not None and state.favor.a is not None:
         a = state.favor.a
@@ -217,7 +223,7 @@ def causal_local_attention(
             values.append(sink_v1)
         # FAVOR: the state holds keys at least W before the block; the span's first c keys leave the window
         # during the block (key r < c counts for query i when r <= i + lag - W) and fold in afterwards
-        q_base, q_log = _query_terms(fmap, q_c)
+        q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         if not favor:
             outputs.append(_combine(exact, values, torch.zeros_like(q_base[..., :1]).expand(*q_base.shape[:-1],
                                                                                            v.shape[-1] + 1), q_log))
@@ -257,6 +263,7 @@ def local_attention(
     scale: float | None = None,
     a: torch.Tensor | float | None = None,
     favor: bool = True,
+    favor_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional sink + band + FAVOR attention (self-attention: Lq == Lk). Exact weights for the first
     `sink_tokens` real tokens and for keys with |i - j| < `local_window`; FAVOR for the rest (dropped with
@@ -292,7 +299,7 @@ def local_attention(
             visible = sink_valid[:, None, :] & ((i.unsqueeze(0) - sink_idx[:, None, :]).abs() >= local_window)
             exact.append(_exact_logits(fmap, q_c, sink_k).masked_fill(~visible[:, None], float("-inf")))
             values.append(sink_v1)
-        q_base, q_log = _query_terms(fmap, q_c)
+        q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         u, offset, _ = fmap.keys(k[:, :, lo:hi], (favor_ok[:, lo:hi])[:, None])
         k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, hi - lo, m')
         in_band = (band & favor_ok[:, None, lo:hi]).to(fmap.dtype)[:, None]

@@ -2,6 +2,7 @@
 
 from ..corpus import builtin_corpus
 from .args import FinetuneArgs
-from .loop import TrainingDiverged, finetune
+from .context import TrainingDiverged
+from .loop import finetune
 
 __all__ = ["FinetuneArgs", "TrainingDiverged", "builtin_corpus", "finetune"]

@@ -18,6 +18,14 @@ class FinetuneArgs:
     """
 
     out: str = field(metadata=_help("output directory: final model, checkpoints/, metrics.jsonl"))
+    stage: str = field(default="end-to-end", metadata=_help(
+        "attention: attention transfer, each converted layer learns to reproduce its own softmax output on the same "
+        "inputs (only learned feature maps train; convert with --learned-features); end-to-end: the whole model "
+        "trains on the task and/or distillation loss", choices=["end-to-end", "attention"]))
+    lora_rank: int = field(default=0, metadata=_help(
+        "end-to-end stage: train LoRA adapters of this rank (through peft) on the attention and MLP weights instead of "
+        "every weight, merged into the model before it is saved (0: train every weight)"))
+    lora_alpha: float = field(default=16.0, metadata=_help("LoRA scaling numerator (scale = alpha / rank)"))
     task: str = field(default="auto", metadata=_help(
         "training objective; auto: masked-lm or causal-lm from the model's head, distillation only for base models",
         choices=["auto", "masked-lm", "causal-lm", "distill-only"]))
@@ -46,7 +54,8 @@ class FinetuneArgs:
     validation_percent: int = field(default=5, metadata=_help("held out from train when no validation data"))
     max_length: int = field(default=128, metadata=_help("tokens per packed training block"))
     max_train_samples: int | None = field(default=None, metadata=_help("cap on training blocks (quick runs)"))
-    max_eval_samples: int | None = field(default=256, metadata=_help("cap on validation blocks"))
+    max_eval_samples: int | None = field(default=32, metadata=_help(
+        "cap on validation blocks (so the end-of-run evaluation takes seconds)"))
     mlm_probability: float = field(default=0.15, metadata=_help("masking rate for masked-lm"))
     # optimisation
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps (overrides --num-epochs)"))
@@ -88,3 +97,8 @@ class FinetuneArgs:
             raise ValueError("give either --dataset or --train-file, not both")
         if self.teacher and not self.distill:
             raise ValueError("--teacher only makes sense with --distill")
+        if self.stage == "attention" and (self.distill or self.lora_rank):
+            raise ValueError("--stage attention needs no teacher and trains no LoRA: each layer's target is its own "
+                             "softmax output; drop --distill / --lora-rank")
+        if self.lora_rank < 0:
+            raise ValueError(f"FinetuneArgs.lora_rank must be 0 (off) or positive, got {self.lora_rank}")

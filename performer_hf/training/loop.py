@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -21,15 +20,12 @@ from ..architectures import lookup, position_limit
 from ..conversion import converted_modules, from_pretrained, is_converted, performer_settings, redraw_projections
 from ..hub import task_of_architecture
 from .args import FinetuneArgs
+from .context import CHECKPOINTS, TrainingDiverged, complete_checkpoints
 from .data import SeededCollator, load_texts, pack, with_index
-from .losses import hidden_mse, logit_kl
+from .end_to_end import EndToEnd, with_lora
+from .transfer import AttentionTransfer, train_only_feature_maps
 
-CHECKPOINTS = "checkpoints"
-KEEP_CHECKPOINTS = 2
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; training stopped and the last complete checkpoint was kept."""
+__all__ = ["TrainingDiverged", "finetune"]
 
 
 def _task_of(model, requested: str) -> str:
@@ -90,15 +86,6 @@ def _forget_previous_precision(mixed_precision: str) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
 
 
-def _complete_checkpoints(out: Path) -> list[Path]:
-    root = out / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
-             and (p / "loop_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
 def _param_groups(model, weight_decay: float, attention_only: bool):
     """AdamW groups: no decay for biases and norms; with `attention_only`, the attention weights apart."""
     attention = {id(p) for name in converted_modules(model) for p in model.get_submodule(name).parameters()}
@@ -106,7 +93,8 @@ def _param_groups(model, weight_decay: float, attention_only: bool):
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = param.dim() >= 2 and "norm" not in name.lower()
+        # learned FAVOR projections: decay would pull every feature towards a constant (uniform attention)
+        decay = param.dim() >= 2 and "norm" not in name.lower() and "performer." not in name
         key = ("attention" if attention_only and id(param) in attention else "rest", decay)
         groups.setdefault(key, []).append(param)
     return [{"params": params, "weight_decay": weight_decay if decay else 0.0, "name": f"{part}-{decay}"}
@@ -136,7 +124,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     from transformers import DataCollatorForLanguageModeling, get_scheduler
 
     out = Path(args.out)
-    if args.resume and not _complete_checkpoints(out):
+    if args.resume and not complete_checkpoints(out):
         raise FileNotFoundError(f"--resume: no complete checkpoint under {out / CHECKPOINTS}")
     if not args.resume and out.exists() and any(p.name != ".gitkeep" for p in out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue a run, or choose another "
@@ -160,6 +148,10 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
         raise ValueError(f"--max-length {args.max_length} exceeds the {limit} positions of this model's learned "
                          "position table")
     teacher = _load_teacher(model, args) if args.distill else None
+    if args.stage == "attention":
+        train_only_feature_maps(model)
+    if args.lora_rank:
+        model = with_lora(model, args.lora_rank, args.lora_alpha)
     redraw_interval = args.redraw_interval
     if redraw_interval is None:
         redraw_interval = performer_settings(model.config).redraw_interval or 0
@@ -172,7 +164,8 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     if args.max_eval_samples:
         eval_set = eval_set.select(range(min(args.max_eval_samples, len(eval_set))))
     def collator():
-        return SeededCollator(DataCollatorForLanguageModeling(tokenizer, mlm=task == "masked-lm",
+        mlm = task == "masked-lm" and args.stage != "attention"  # attention transfer reads the plain text
+        return SeededCollator(DataCollatorForLanguageModeling(tokenizer, mlm=mlm,
                                                               mlm_probability=args.mlm_probability), args.seed)
 
     train_collator = collator()
@@ -190,24 +183,27 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
                               num_training_steps=max_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
                                                                          scheduler)
-    if teacher is not None:
-        teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+    if teacher is not None:  # not through accelerate: its checkpoints must not carry the frozen teacher
+        teacher = teacher.to(accelerator.device)
     if args.report_to:
         accelerator.init_trackers("performer_hf", config={k: v for k, v in vars(args).items()
                                                            if isinstance(v, int | float | str | bool)})
 
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0}
     if args.resume:
-        checkpoint = _complete_checkpoints(out)[-1]
+        checkpoint = complete_checkpoints(out)[-1]
         accelerator.load_state(str(checkpoint))
         state = json.loads((checkpoint / "loop_state.json").read_text())
         accelerator.print(f"resumed from {checkpoint} (step {state['step']})")
 
-    ctx = _Context(args, accelerator, model, teacher, task, out)
+    if args.stage == "attention":
+        ctx = AttentionTransfer(args, accelerator, model, task, out)
+    else:
+        ctx = EndToEnd(args, accelerator, model, task, out, teacher)
     progress = tqdm(total=max_steps, initial=state["step"], desc="fine-tuning",
                     disable=not (args.progress and accelerator.is_local_main_process))
     tokens, last_log = 0, time.perf_counter()
-    running = []
+    running, running_terms = [], {}
     while state["step"] < max_steps:
         train_dl.set_epoch(state["epoch"])
         train_collator.epoch = state["epoch"]
@@ -216,7 +212,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
             batches = accelerator.skip_first_batches(train_dl, state["batches_in_epoch"])
         for batch in batches:
             with accelerator.accumulate(model):
-                loss, _, _ = ctx.loss(batch)
+                loss, terms = ctx.loss(batch)
                 if not bool(accelerator.gather(torch.isfinite(loss.detach()).reshape(1)).all()):
                     ctx.diverged(state["step"] + 1, loss)
                 accelerator.backward(loss)
@@ -231,7 +227,11 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
                 optimizer.zero_grad()
             state["batches_in_epoch"] += 1
             running.append(loss.detach().float())
-            tokens += int(batch["attention_mask"].sum()) * accelerator.num_processes
+            for name, value in terms.items():
+                running_terms.setdefault(name, []).append(value)
+            batch_tokens = int(batch["attention_mask"].sum()) * accelerator.num_processes
+            tokens += batch_tokens
+            state["tokens_seen"] = state.get("tokens_seen", 0) + batch_tokens
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
@@ -244,15 +244,21 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
             if state["step"] % args.logging_steps == 0 or state["step"] == max_steps:
                 mean_loss = accelerator.gather(torch.stack(running).mean().reshape(1)).mean().item()
                 now = time.perf_counter()
+                state["train_seconds"] = state.get("train_seconds", 0.0) + now - last_log
                 logs = {"step": state["step"], "loss": mean_loss, "lr": scheduler.get_last_lr()[-1],
-                        "tokens_per_s": tokens / (now - last_log), "epoch": state["epoch"]}
-                if task != "distill-only" and args.distill is False:
-                    logs["perplexity"] = math.exp(min(mean_loss, 50))
-                running, tokens, last_log = [], 0, now
+                        "tokens_per_s": tokens / (now - last_log), "epoch": state["epoch"],
+                        "tokens_seen": state["tokens_seen"], "train_seconds": round(state["train_seconds"], 2)}
+                for name, values in running_terms.items():  # each loss term on its own
+                    local = torch.tensor([sum(values) / len(values)], device=accelerator.device)
+                    logs[name] = accelerator.gather(local).mean().item()
+                if "task_loss" in logs:
+                    logs["perplexity"] = math.exp(min(logs["task_loss"], 50))
+                running, running_terms, tokens, last_log = [], {}, 0, now
                 ctx.log(logs)
                 progress.set_postfix(loss=f"{mean_loss:.4f}")
             if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] != max_steps:
                 ctx.log(ctx.evaluate(eval_dl, state["step"]))
+                last_log = time.perf_counter()  # evaluation time is not training time
             if args.save_steps and state["step"] % args.save_steps == 0 and state["step"] != max_steps:
                 ctx.save_checkpoint(state)
             for callback in callbacks:
@@ -269,133 +275,3 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     ctx.save_final(tokenizer, final)
     accelerator.end_training()
     return {**final, "output_dir": str(out)}
-
-
-class _Context:
-    """What the loop needs at each step: the loss, logging, evaluation and saving."""
-
-    def __init__(self, args, accelerator, model, teacher, task, out):
-        self.args, self.accelerator, self.model, self.teacher, self.task, self.out = (
-            args, accelerator, model, teacher, task, out)
-        self.metrics_file = out / "metrics.jsonl"
-        self.accuracy = None
-        if task == "masked-lm":  # loaded once; compute() clears what add_batch collected
-            import evaluate
-
-            self.accuracy = evaluate.load(str(Path(__file__).parents[1] / "metrics" / "accuracy"))
-
-    def _inputs(self, batch):
-        return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-
-    def loss(self, batch, keep_hidden: bool = False):
-        """`(loss, student outputs, teacher outputs or None)`; `keep_hidden` returns hidden states even when the
-        loss does not use them (evaluation compares them with the teacher's)."""
-        args = self.args
-        use_hidden = self.teacher is not None and args.hidden_weight > 0
-        need_hidden = self.teacher is not None and (use_hidden or keep_hidden)
-        labels = batch.get("labels") if self.task != "distill-only" else None
-        out = self.model(**self._inputs(batch), labels=labels, output_hidden_states=need_hidden)
-        loss = out.loss * args.task_weight if labels is not None and args.task_weight > 0 else 0.0
-        ref = None
-        if self.teacher is not None:
-            with torch.no_grad(), self.accelerator.autocast():
-                ref = self.teacher(**self._inputs(batch), output_hidden_states=need_hidden)
-            mask = batch["attention_mask"]
-            if getattr(out, "logits", None) is not None and args.kl_weight > 0:
-                loss = loss + args.kl_weight * logit_kl(out.logits, ref.logits, mask, args.temperature)
-            if use_hidden:
-                loss = loss + args.hidden_weight * hidden_mse(out.hidden_states, ref.hidden_states, mask,
-                                                              args.distill_layers)
-        if not torch.is_tensor(loss):
-            raise ValueError("every loss weight is zero: nothing to train")
-        return loss, out, ref
-
-    def diverged(self, step, loss):
-        checkpoints = _complete_checkpoints(self.out)
-        kept = f"the last good checkpoint is {checkpoints[-1]} (resume with --resume, perhaps with a lower " \
-               "--learning-rate)" if checkpoints else "no checkpoint had been saved yet (use --save-steps)"
-        raise TrainingDiverged(f"loss became {loss.item()} at step {step}; training stopped and {kept}")
-
-    def log(self, logs: dict):
-        if not logs:
-            return
-        if self.args.report_to:
-            self.accelerator.log({k: v for k, v in logs.items() if k != "step"}, step=logs["step"])
-        if self.accelerator.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            with self.metrics_file.open("a") as f:
-                f.write(json.dumps(logs) + "\n")
-
-    @torch.no_grad()
-    def evaluate(self, eval_dl, step) -> dict:
-        self.model.eval()
-        losses, cosines = [], []
-        with torch.random.fork_rng(devices=[]):  # fixed eval masks; the training RNG stream is untouched
-            torch.manual_seed(self.args.seed)
-            for batch in eval_dl:
-                loss, out, ref = self.loss(batch, keep_hidden=True)  # one forward each serves every metric
-                losses.append(self.accelerator.gather_for_metrics(loss.detach().float().reshape(1)))
-                if self.task == "masked-lm":
-                    chosen = batch["labels"] != -100
-                    preds, refs = self.accelerator.gather_for_metrics((out.logits.argmax(-1)[chosen],
-                                                                       batch["labels"][chosen]))
-                    self.accuracy.add_batch(predictions=preds.tolist(), references=refs.tolist())
-                if ref is not None:
-                    student, teacher = out.hidden_states[-1], ref.hidden_states[-1]
-                    cos = torch.nn.functional.cosine_similarity(student.float(), teacher.float(), dim=-1)
-                    real = batch["attention_mask"].bool()
-                    cosines.append(self.accelerator.gather_for_metrics(cos[real].mean().reshape(1)))
-        self.model.train()
-        result = {"step": step, "eval_loss": torch.cat(losses).mean().item()}
-        if self.task in ("masked-lm", "causal-lm") and not self.args.distill:
-            result["eval_perplexity"] = math.exp(min(result["eval_loss"], 50))
-        if self.task == "masked-lm":
-            result["eval_masked_accuracy"] = self.accuracy.compute()["accuracy"]
-        if cosines:
-            result["eval_hidden_cosine_to_teacher"] = torch.cat(cosines).mean().item()
-        return result
-
-    def save_checkpoint(self, state: dict):
-        acc, root = self.accelerator, self.out / CHECKPOINTS
-        final = root / f"step_{state['step']}"
-        tmp = root / f".step_{state['step']}.partial"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            root.mkdir(parents=True, exist_ok=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            (tmp / "loop_state.json").write_text(json.dumps(state))
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)  # complete checkpoints only ever exist under their final name
-            for old in _complete_checkpoints(self.out)[:-KEEP_CHECKPOINTS]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-
-    def save_final(self, tokenizer, metrics: dict):
-        from ..hub import model_card, push_directory
-
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            tmp = self.out / ".final.partial"
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, state_dict=acc.get_state_dict(self.model))
-            tokenizer.save_pretrained(tmp)
-            report = "\n".join(["| metric | value |", "|---|---|"] +
-                               [f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "step"])
-            base = (model.config.performer or {}).get("base_model")
-            (tmp / "README.md").write_text(model_card(
-                base_model=base, task=self.task, settings=performer_settings(model.config), report=report,
-                model_type=model.config.model_type, location=self.args.push_to_hub or str(self.out),
-                finetuned=f"Fine-tuned for {metrics['step']} steps after conversion "
-                          f"({'distillation from the original' if self.teacher is not None else self.task})."))
-            for item in tmp.iterdir():
-                item.replace(self.out / item.name)  # each file appears whole
-            tmp.rmdir()
-            if self.args.push_to_hub:
-                push_directory(self.out, self.args.push_to_hub, private=self.args.private,
-                               commit_message=f"Performer fine-tuned for {metrics['step']} steps")
-        acc.wait_for_everyone()
