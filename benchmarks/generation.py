@@ -62,12 +62,16 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--num-features", type=int, default=256)
+    parser.add_argument("--sink-tokens", type=int, default=None, help="default: the causal default (4)")
+    parser.add_argument("--local-window", type=int, default=None, help="default: the causal default (128); 0 for "
+                                                                        "pure FAVOR")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / "generation_cpu")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     max_len = max(args.lengths) + args.steps + 1
     softmax = build(args.layers, args.hidden, args.heads, max_len)
-    performer = performer_hf.convert(copy.deepcopy(softmax), num_features=args.num_features)
+    performer = performer_hf.convert(copy.deepcopy(softmax), num_features=args.num_features,
+                                     sink_tokens=args.sink_tokens, local_window=args.local_window)
     print(f"Llama-shaped model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads; FAVOR+ "
           f"m={args.num_features}; {torch.get_num_threads()} threads", flush=True)
     rows = []

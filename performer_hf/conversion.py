@@ -169,9 +169,11 @@ def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embed
     previous = model.config._attn_implementation
     meta = dict(getattr(model.config, CONFIG_KEY, None) or {})
     model.config.__dict__[CONFIG_KEY] = {
+        **meta,  # what an earlier conversion recorded (e.g. the GGUF file of the base model) is kept
         "format_version": FORMAT_VERSION,
         "settings": config.to_dict(),
-        "base_model": meta.get("base_model") or model.config._name_or_path or None,
+        # a reloaded Performer keeps the base it recorded, never its own directory
+        "base_model": meta["base_model"] if "base_model" in meta else model.config._name_or_path or None,
         "original_attn_implementation": meta.get("original_attn_implementation") or previous,
         "converted_modules": [name for name, _ in targets],
     }

