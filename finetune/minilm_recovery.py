@@ -28,10 +28,9 @@ LEARNED = {"learned_features": True, "per_head_features": True}
 ARMS = {
     "conversion-only": ({}, 0, 0, "FAVOR+ m=256, random projection, no training"),
     "distill-150": ({}, 0, 150, "end-to-end distillation only (the previous demo)"),
-    "transfer-150": (LEARNED, 150, 0, "attention transfer of learned per-head features only"),
-    "transfer-150+distill-150": (LEARNED, 150, 150, "the demo recipe"),
-    "transfer-300+distill-600": (LEARNED, 300, 600, "the demo recipe, 3x longer"),
-    "transfer-600+distill-1500": (LEARNED, 600, 1500, "the demo recipe, 7x longer"),
+    "transfer-300": (LEARNED, 300, 0, "attention transfer of learned per-head features only"),
+    "transfer-300+distill-80": (LEARNED, 300, 80, "the demo recipe (make demo)"),
+    "transfer-600+distill-300": (LEARNED, 600, 300, "the demo recipe, about 3x longer"),
 }
 
 

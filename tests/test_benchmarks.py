@@ -28,3 +28,16 @@ def test_notebook_is_valid_and_its_cells_compile():
     assert cells
     for cell in cells:
         compile("".join(cell["source"]), "walkthrough.ipynb", "exec")
+
+
+def test_recovery_notebook_executes_and_shows_its_tables(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("RECOVERY_PLOTS", str(tmp_path))
+    notebook = nbformat.read(ROOT / "notebooks" / "recovery.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    text = "".join(str(output.get("data", {}).get("text/markdown", "")) for cell in notebook.cells
+                   for output in cell.get("outputs", []))
+    assert "| arm | cosine |" in text and "| arm | ppl 512 |" in text
+    assert (tmp_path / "minilm_recovery.png").stat().st_size > 5_000

@@ -1,5 +1,6 @@
 """The command line end to end on tiny local models; uploads go to a loopback fake Hub."""
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,19 @@ def test_causal_model_and_base_task(tmp_path, capsys):
     assert main(["convert", src, "--out", str(tmp_path / "b"), "--task", "base", "--num-features", "16"]) == 0
     assert "hidden-state cosine" in capsys.readouterr().out
     assert type(performer_hf.from_pretrained(str(tmp_path / "b"))).__name__ == "GPT2Model"
+
+
+def test_causal_report_shows_what_the_sinks_and_window_are_worth(tmp_path, capsys):
+    src = save_tiny(tmp_path / "tiny-llama", "llama", initializer_range=0.3)
+    out = tmp_path / "local"
+    assert main(["convert", src, "--out", str(out), "--num-features", "8", "--sink-tokens", "2",
+                 "--local-window", "8"]) == 0
+    assert "| converted | pure FAVOR, for comparison |" in capsys.readouterr().out
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["tokens"] > 2 * 8  # long windows of joined sentences, well past the exact window
+    assert report["kl"] < report["pure_favor"]["kl"]
+    settings = performer_hf.performer_settings(performer_hf.from_pretrained(str(out)).config)
+    assert (settings.sink_tokens, settings.local_window) == (2, 8)
 
 
 def test_existing_output_is_refused_without_overwrite(bert_dir, tmp_path, capsys):

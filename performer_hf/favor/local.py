@@ -144,7 +144,7 @@ def causal_local_attention(
     projection: torch.Tensor,
     kernel: str = "favor+",
     sink_tokens: int = 4,
-    local_window: int = 64,
+    local_window: int = 128,
     key_padding_mask: torch.Tensor | None = None,
     chunk_size: int = 64,
     scale: float | None = None,

@@ -143,7 +143,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     set_seed(args.seed)
     model, tokenizer = _load_student(model_or_path, tokenizer)
     task = _task_of(model, args.task)
-    if task == "distill-only" and not args.distill:
+    if task == "distill-only" and not args.distill and args.stage != "attention":
         raise ValueError(f"{type(model).__name__} has no language-model head: train it with --distill "
                          "(hidden-state matching to the original)")
     limit = position_limit(lookup(model.config.model_type), model.config)
