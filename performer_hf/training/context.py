@@ -41,8 +41,8 @@ class Stage:
         return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
     def final_model(self):
-        """The model to save at the end (e.g. with LoRA adapters merged)."""
-        return self.accelerator.unwrap_model(self.model)
+        """`(model, state dict)` to save at the end; the state dict gathered across processes (FSDP, DeepSpeed)."""
+        return self.accelerator.unwrap_model(self.model), self.accelerator.get_state_dict(self.model)
 
     def diverged(self, step, loss):
         checkpoints = complete_checkpoints(self.out)
@@ -84,10 +84,10 @@ class Stage:
         acc = self.accelerator
         acc.wait_for_everyone()
         if acc.is_main_process:
-            model = self.final_model()
+            model, state_dict = self.final_model()
             tmp = self.out / ".final.partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, state_dict=model.state_dict())
+            model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             report = "\n".join(["| metric | value |", "|---|---|"] +
                                [f"| {k} | {v:.4f} |" for k, v in metrics.items()

@@ -42,8 +42,10 @@ class EndToEnd(Stage):
             self.accuracy = evaluate.load(str(Path(__file__).parents[1] / "metrics" / "accuracy"))
 
     def final_model(self):
-        model = self.accelerator.unwrap_model(self.model)
-        return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+        if not self.args.lora_rank:
+            return super().final_model()
+        merged = self.accelerator.unwrap_model(self.model).merge_and_unload()  # a plain converted model again
+        return merged, merged.state_dict()
 
     def forward(self, batch, keep_hidden: bool = False):
         """`(loss, terms, student outputs, teacher outputs or None)`; `terms` holds each loss term as a float.
