@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check performer_hf tests benchmarks conversion
+	$(VENV)/bin/ruff check performer_hf tests benchmarks conversion finetune
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py --out benchmarks/results/attention_cpu

@@ -44,9 +44,23 @@ ARMS = {
     "window+favor+transfer": ({**LOCAL, **LEARNED}, [("attention", {})], "+ attention transfer of learned features"),
     "window+favor+transfer+e2e": ({**LOCAL, **LEARNED}, [("attention", {}), ("end-to-end", {})],
                                   "+ end-to-end distillation with LoRA"),
+    "window-only+e2e": ({**LOCAL, "favor_beyond_window": False}, [("end-to-end", {})],
+                        "sinks + window alone, the same end-to-end stage (the fair comparison for FAVOR)"),
     "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
                                 "pure FAVOR, attention transfer, end-to-end"),
 }
+
+
+def finished_stage(name: str, upto: int, work: Path) -> Path | None:
+    """A checkpoint another arm already trained with the same settings and the same first `upto` + 1 stages."""
+    settings, stages, _ = ARMS[name]
+    for other, (other_settings, other_stages, _) in ARMS.items():
+        if other == name or other_settings != settings or other_stages[:upto + 1] != stages[:upto + 1]:
+            continue
+        done = work / other / stages[upto][0]
+        if (done / "metrics.jsonl").is_file() and (done / "config.json").is_file():
+            return done
+    return None
 
 
 def stage_args(stage: str, out: Path, args, overrides: dict) -> FinetuneArgs:
@@ -86,16 +100,25 @@ def run_arm(name, original, tokenizer, windows, reference_figures, args):
         current = work / "converted"
         model.save_pretrained(current)
         tokenizer.save_pretrained(current)
-        for stage, overrides in stages:
+        for index, (stage, overrides) in enumerate(stages):
             out = work / stage
-            started = time.process_time()
-            result = finetune(str(current), stage_args(stage, out, args, overrides))
-            cpu = (time.process_time() - started) / 60
+            reused = finished_stage(name, index, args.work)
+            if reused is not None:  # the same stage of an arm run before: its figures, not a second run
+                print(f"{name}: reusing {reused}", flush=True)
+                shutil.copytree(reused, out)
+                result = json.loads((out / "stage.json").read_text())
+                cpu = result.pop("cpu_minutes")
+            else:
+                started = time.process_time()
+                result = finetune(str(current), stage_args(stage, out, args, overrides))
+                cpu = (time.process_time() - started) / 60
+                result = {k: v for k, v in result.items() if k != "output_dir"}
+                (out / "stage.json").write_text(json.dumps({**result, "cpu_minutes": cpu}) + "\n")
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             tokens = max(r.get("tokens_seen", 0) for r in rows)
             figures["stages"].append({"stage": stage, "tokens": tokens, "cpu_minutes": round(cpu, 2),
                                       "curve": [r for r in rows if "loss" in r],
-                                      "final": {k: v for k, v in result.items() if k != "output_dir"}})
+                                      "final": result})
             figures["tokens"] += tokens
             figures["cpu_minutes"] += cpu
             current = out
@@ -103,6 +126,15 @@ def run_arm(name, original, tokenizer, windows, reference_figures, args):
     figures.update(measure(model, windows, tokenizer))
     for length in map(str, windows):
         figures[length]["ratio"] = figures[length]["perplexity"] / reference_figures[length]["perplexity"]
+    if stages and settings.get("local_window") and settings.get("favor_beyond_window", True):
+        # What the trained FAVOR part carries: the same trained model with nothing beyond the window
+        for module in model.modules():
+            if hasattr(module, "favor_beyond_window"):
+                module.favor_beyond_window = False
+        length = max(windows)
+        off, _ = fidelity.lm_report(model, *windows[length])
+        off["ratio"] = off["perplexity"] / reference_figures[str(length)]["perplexity"]
+        figures["favor_off"] = {str(length): off}
     return figures
 
 
@@ -115,7 +147,7 @@ def main(argv=None):
     parser.add_argument("--steps-attention", type=int, default=100)
     parser.add_argument("--steps-e2e", type=int, default=60)
     parser.add_argument("--lr-e2e", type=float, default=1e-4)
-    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: every weight trains (measured better here)")
     parser.add_argument("--windows-512", type=int, default=16)
     parser.add_argument("--windows-2048", type=int, default=4)
     args = parser.parse_args(argv)

@@ -15,10 +15,21 @@ from .conversion import (
     redraw_projections,
     revert,
 )
+from .generation import PerformerCache
+
+
+def __getattr__(name):  # transformers' Trainer machinery loads only for those who use it
+    if name == "RedrawCallback":
+        from .trainer import RedrawCallback
+
+        return RedrawCallback
+    raise AttributeError(f"module 'performer_hf' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PerformerConfig", "convert", "converted_modules", "from_pretrained", "is_converted", "performer_settings",
+    "PerformerCache", "PerformerConfig", "RedrawCallback", "convert", "converted_modules", "from_pretrained",
+    "is_converted", "performer_settings",
     "redraw_projections", "revert", "supported_types", "__version__",
 ]

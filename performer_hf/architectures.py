@@ -58,6 +58,9 @@ SUPPORTED: dict[str, ArchitectureSpec] = {
     )
 }
 
+# every class `convert` gives a FAVOR module (a module of these classes without one was not converted)
+SELF_ATTENTION_CLASSES = frozenset(name for spec in SUPPORTED.values() for name in spec.attention_classes)
+
 # Model types that cannot be converted faithfully, and why. Anything neither here nor in SUPPORTED is refused as
 # unknown.
 REFUSED: dict[str, str] = {

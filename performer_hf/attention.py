@@ -10,12 +10,15 @@ rotary embeddings and grouped heads stay the model's business), and a mask funct
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
+from .architectures import SELF_ATTENTION_CLASSES
 from .config import PerformerConfig
 from .favor import (
     causal_favor_attention,
@@ -28,6 +31,19 @@ from .favor import (
 from .favor.kernel import repeat_heads
 
 ATTN_IMPLEMENTATION = "performer"
+_handed_over = threading.local()  # (layer_idx, cache layer) from PerformerCache.update to the attention call next
+
+
+def hand_over(layer_idx: int | None, layer) -> None:
+    """Called by `PerformerCache.update`: the attention function of layer `layer_idx`, which the model calls right
+    after updating its cache, continues `layer`'s recurrent state."""
+    _handed_over.entry = (layer_idx, layer)
+
+
+def _take_cache_layer(module: nn.Module):
+    layer_idx, layer = getattr(_handed_over, "entry", (None, None))
+    _handed_over.entry = (None, None)
+    return layer if layer is not None and layer_idx == getattr(module, "layer_idx", None) else None
 
 
 class FavorAttention(nn.Module):
@@ -195,7 +211,16 @@ def performer_attention_forward(
     Attention dropout has no counterpart here: FAVOR never forms the attention matrix it would drop from.
     """
     favor = getattr(module, "performer", None)
+    layer = _take_cache_layer(module)
     if not isinstance(favor, FavorAttention):
+        if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "is_cross_attention", False):
+            raise ValueError(
+                f"{type(module).__name__} runs attn_implementation='performer' without a FAVOR module: this model "
+                "was not converted by performer_hf (AutoModel...from_pretrained(converted, "
+                "attn_implementation='performer') gives the softmax model); load converted checkpoints with "
+                "performer_hf.from_pretrained(path)")
+        if layer is not None:
+            raise ValueError("a PerformerCache cannot serve a layer left with exact attention")
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = attention_mask[:, None, None, :].to(torch.bool)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -205,7 +230,7 @@ def performer_attention_forward(
     mask = key_padding_from_mask(attention_mask, key.shape[2])
     if favor.mode != "favor":
         return _teacher_forced(favor, query, key, value, causal, mask, scaling)
-    layer = _cache_layer(favor, module) if causal else None
+    layer = layer if causal else None
     out, state = favor(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling,
                        state=None if layer is None else layer.state)
     if layer is not None:
@@ -230,15 +255,6 @@ def _teacher_forced(favor: FavorAttention, query, key, value, causal, mask, scal
         loss = err / norm  # relative squared error of this layer's attention output
         favor.transfer_loss = loss if favor.transfer_loss is None else favor.transfer_loss + loss
     return exact.transpose(1, 2).contiguous(), None
-
-
-def _cache_layer(favor: FavorAttention, module: nn.Module):
-    """The `PerformerCache` layer of this module in the current call (see `generation`), or None."""
-    cache = getattr(favor, "generation_cache", None)
-    layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
-        return None
-    return cache.layers[layer_idx]
 
 
 def performer_mask(

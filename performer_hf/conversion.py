@@ -7,6 +7,7 @@ yet) -> attach (one `FavorAttention` per module, then switch the attention imple
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import warnings
@@ -63,23 +64,21 @@ def _head_dim(module: torch.nn.Module, config) -> int:
     return int(value)
 
 
-def _check_length_hook(limit: int, model_type: str):
-    def hook(module, args, kwargs):
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        if tokens is None or tokens.dim() < 2:
-            return
-        past = kwargs.get("past_key_values")
-        seen = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
-        if seen + tokens.shape[1] > limit:
-            raise ValueError(
-                f"{seen + tokens.shape[1]} tokens exceed the {limit} positions of this {model_type} model's learned "
-                f"position table; truncate the input, or convert with max_position_embeddings=N to extend the table "
-                f"(then fine-tune at the new length)."
-            )
-
-    return hook
+def _check_length(module, args, kwargs, *, limit: int, model_type: str):
+    """Forward pre-hook of models with a learned position table (a module-level function: copies stay right)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None or tokens.dim() < 2:
+        return
+    past = kwargs.get("past_key_values")
+    seen = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+    if seen + tokens.shape[1] > limit:
+        raise ValueError(
+            f"{seen + tokens.shape[1]} tokens exceed the {limit} positions of this {model_type} model's learned "
+            f"position table; truncate the input, or convert with max_position_embeddings=N to extend the table "
+            f"(then fine-tune at the new length)."
+        )
 
 
 def convert(model: PreTrainedModel, config: PerformerConfig | None = None, *,
@@ -161,11 +160,9 @@ def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embed
     if max_position_embeddings is not None:
         positions.extend(model, spec, max_position_embeddings)
     generator = torch.Generator().manual_seed(config.seed)
-    favors = []
     for (_, module), head_dim, heads in zip(targets, head_dims, num_heads, strict=True):
         device = next(module.parameters()).device
         module.performer = FavorAttention(config, head_dim, heads, generator=generator).to(device)
-        favors.append(module.performer)
     previous = model.config._attn_implementation
     meta = dict(getattr(model.config, CONFIG_KEY, None) or {})
     model.config.__dict__[CONFIG_KEY] = {
@@ -178,13 +175,11 @@ def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embed
         "converted_modules": [name for name, _ in targets],
     }
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    handles = []
     limit = position_limit(spec, model.config)
     if limit is not None:
-        handles.append(model.register_forward_pre_hook(_check_length_hook(limit, spec.model_type), with_kwargs=True))
-    if causal:
-        handles += generation.install(model, favors)
-    model.__dict__["_performer_hooks"] = handles
+        model.register_forward_pre_hook(functools.partial(_check_length, limit=limit, model_type=spec.model_type),
+                                        with_kwargs=True)
+    generation.install(model, causal)
     return model
 
 
@@ -224,8 +219,10 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
     for name in modules:
         owner = model.get_submodule(name)
         del owner.performer
-    for handle in model.__dict__.pop("_performer_hooks", []):
-        handle.remove()
+    hooks = model._forward_pre_hooks
+    for key in [k for k, hook in hooks.items() if getattr(hook, "func", None) is _check_length]:
+        del hooks[key]
+        model._forward_pre_hooks_with_kwargs.pop(key, None)
     generation.uninstall(model)
     meta = model.config.__dict__.pop(CONFIG_KEY, None) or {}
     model.set_attn_implementation(meta.get("original_attn_implementation") or "sdpa")
@@ -242,6 +239,13 @@ def redraw_projections(model: torch.nn.Module, generator: torch.Generator | None
     if not modules:
         raise ValueError("this model is not converted: there are no projections to redraw")
     return sum(module.redraw(generator) for module in modules.values())
+
+
+def mark_redraws_applied(model: torch.nn.Module) -> None:
+    """Record that a training loop redraws this model's projections (no warning about `redraw_interval` then)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.__dict__["_performer_redraws_applied"] = True
 
 
 def performer_settings(config) -> PerformerConfig | None:

@@ -1,24 +1,36 @@
-"""Generation with a constant-size recurrent state.
+"""Generation with a constant-size recurrent state, and the guard every converted model carries.
 
 `PerformerCache` is a transformers `Cache` whose layers keep the causal FAVOR state (sum phi(k) [v, 1]^T and the
-running key stabiliser) instead of keys and values. Each attention module still calls `cache.update(k, v)`; the
-layer only counts the tokens and hands back the new keys and values, and the attention function continues the
-layer's state from them: prefill runs the chunked form, every new token is one recurrent step. Memory does not grow
-with the context.
+running key stabiliser, plus sink and window keys/values with a local window) instead of keys and values. Each
+attention module still calls `cache.update(k, v, layer_idx)`; the cache hands back only the new keys and values and
+passes its layer on to the attention function called next (`attention.hand_over`), which continues the layer's state:
+prefill runs the chunked form, every new token is one recurrent step. Memory does not grow with the context.
 
-A converted causal model uses it in `generate()` without being asked: `convert` gives the model instance its own
-`_prepare_cache_for_generation`, which supplies a `PerformerCache` where generate would build its default dynamic
-cache, and a forward pre-hook that points the model's FAVOR modules at the cache of the current call. `revert`
-removes both. (This instance-level override is the one place performer_hf leans on a private transformers method;
-it lives here alone.)
+`convert` installs, on the model instance and nowhere else:
+- a forward pre-hook on the decoder or base model (`_guard`): it refuses what would silently give another model's answer
+  (attention switched away from "performer", `output_attentions`, a softmax cache), and in causal models builds a
+  `PerformerCache` when `use_cache` asks for one and none was given, so every caller of `forward` (generate, a
+  manual decoding loop, a pipeline) gets the constant-size state;
+- `_prepare_cache_for_generation`, which makes `generate()` start from a `PerformerCache` and refuses other cache
+  implementations (this instance-level override is the one place performer_hf leans on a private transformers
+  method; it lives here alone);
+- `set_attn_implementation`, which refuses anything but "performer" until `performer_hf.revert`.
+All three are module-level functions or small objects holding the model, never closures, so `copy.deepcopy` and
+`torch.save` give a copy that refers to itself, not to the original. `revert` removes them.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
+
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import FavorAttention
+from .attention import ATTN_IMPLEMENTATION, hand_over
+from .config import CONFIG_KEY
 
 
 class FavorCacheLayer(CacheLayerMixin):
@@ -93,47 +105,116 @@ class PerformerCache(Cache):
     def __init__(self, **kwargs):
         super().__init__(layer_class_to_replicate=FavorCacheLayer)
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        hand_over(layer_idx, self.layers[layer_idx])  # the attention function called next continues its state
+        return keys, values
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _point_at_cache(favors):
-    def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        cache = cache if isinstance(cache, PerformerCache) else None
-        for favor in favors:
-            favor.generation_cache = cache
-
-    return hook
+_NOT_CONVERTED = "call performer_hf.revert(model) first to get the softmax model back"
 
 
-def _forget_cache(favors):
-    def hook(module, args, kwargs, output):
-        for favor in favors:
-            favor.generation_cache = None
+def _argument(module, args: tuple, kwargs: dict, name: str):
+    """(value, position in args or None) of a forward argument given by keyword or by position."""
+    if name in kwargs or len(args) <= 1:
+        return kwargs.get(name), None
+    names = list(inspect.signature(module.forward).parameters)
+    index = names.index(name) if name in names else len(args)
+    return (args[index], index) if index < len(args) else (None, None)
 
-    return hook
+
+def _guard(module, args, kwargs, *, causal: bool):
+    """Forward pre-hook of a converted base model; see the module docstring."""
+    config = module.config
+    if config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"this converted model's attention implementation was switched to "
+                         f"{config._attn_implementation!r}, which would run softmax attention with the FAVOR modules "
+                         f"ignored; use set_attn_implementation('performer'), or {_NOT_CONVERTED}")
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise ValueError("FAVOR attention never forms the attention matrix, so output_attentions=True has nothing to "
+                         f"return; to inspect softmax attention weights, {_NOT_CONVERTED} (or load the original)")
+    hand_over(None, None)  # nothing left over from an interrupted call
+    if module.training and not module.__dict__.get("_performer_redraws_applied"):
+        interval = ((getattr(config, CONFIG_KEY, None) or {}).get("settings") or {}).get("redraw_interval")
+        if interval:
+            warnings.warn(f"this model's redraw_interval ({interval}) is applied by `performer-hf finetune`; a "
+                          "training loop of your own redraws nothing unless it calls "
+                          "performer_hf.redraw_projections (with transformers' Trainer: "
+                          "callbacks=[performer_hf.RedrawCallback()])", stacklevel=2)
+            module.__dict__["_performer_redraws_applied"] = True  # said once
+    if not causal or getattr(config, "add_cross_attention", False):  # decoders with cross-attention: softmax caches
+        return None
+    past, position = _argument(module, args, kwargs, "past_key_values")
+    if past is None:
+        use_cache, _ = _argument(module, args, kwargs, "use_cache")
+        use_cache = config.use_cache if use_cache is None else use_cache
+        if not use_cache or module.training:  # training builds no state (transformers' own choice applies)
+            return None
+        if position is not None:
+            args = (*args[:position], PerformerCache(), *args[position + 1:])
+        else:
+            kwargs["past_key_values"] = PerformerCache()
+        return args, kwargs
+    if not isinstance(past, PerformerCache):
+        raise ValueError(f"a converted model keeps a constant-size FAVOR state, not a {type(past).__name__} (whose "
+                         "keys and values it cannot use); leave past_key_values out (use_cache=True builds a "
+                         "performer_hf.PerformerCache) or pass the past_key_values a previous call returned")
+    return None
 
 
-def install(model, favors: list[FavorAttention]) -> list:
-    """Make `model.generate` use a `PerformerCache`; returns the hook handles (removed by `uninstall`)."""
-    handles = [model.register_forward_pre_hook(_point_at_cache(favors), with_kwargs=True),
-               model.register_forward_hook(_forget_cache(favors), with_kwargs=True)]
-    original = getattr(type(model), "_prepare_cache_for_generation", None)
-    if original is None or not hasattr(model, "generate"):  # a base model: no generate() to serve
-        return handles
+class _PrepareCache:
+    """`generate()`'s cache preparation: a `PerformerCache` where generate would build its dynamic cache."""
 
-    def _prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
-        wants_default = (model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-                         and generation_config.cache_implementation in (None, "dynamic"))
-        if wants_default:
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, generation_config, model_kwargs, *args, **kwargs):
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={implementation!r} keeps softmax keys and values, which a "
+                             "converted model cannot use; leave cache_implementation unset (the constant-size "
+                             "PerformerCache is used)")
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
             model_kwargs["past_key_values"] = PerformerCache()
             return None
-        return original(model, generation_config, model_kwargs, *args, **kwargs)
+        return type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
+                                                              **kwargs)
 
-    model.__dict__["_prepare_cache_for_generation"] = _prepare_cache_for_generation
-    return handles
+
+class _SetAttnImplementation:
+    """`set_attn_implementation` of a converted model: "performer" only, until `performer_hf.revert`."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, attn_implementation, *args, **kwargs):
+        if attn_implementation not in (ATTN_IMPLEMENTATION, {"": ATTN_IMPLEMENTATION}):
+            raise ValueError(f"set_attn_implementation({attn_implementation!r}) on a converted model would silently "
+                             f"bring softmax attention back; {_NOT_CONVERTED}")
+        return type(self.model).set_attn_implementation(self.model, attn_implementation, *args, **kwargs)
+
+
+def install(model, causal: bool) -> None:
+    """Install the guard hook and the instance overrides on a converted `model` (removed by `uninstall`)."""
+    # the module that builds the cache: the decoder (OPT's causal LM calls model.decoder directly), else the base
+    owner = model.get_decoder() if causal and hasattr(model, "get_decoder") else None
+    owner = owner if isinstance(owner, PreTrainedModel) else model.base_model
+    owner.register_forward_pre_hook(functools.partial(_guard, causal=causal), with_kwargs=True)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.__dict__["set_attn_implementation"] = _SetAttnImplementation(module)
+    if causal and getattr(type(model), "_prepare_cache_for_generation", None) is not None:
+        model.__dict__["_prepare_cache_for_generation"] = _PrepareCache(model)
 
 
 def uninstall(model) -> None:
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for key in [k for k, hook in hooks.items() if getattr(hook, "func", None) is _guard]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+        module.__dict__.pop("set_attn_implementation", None)
     model.__dict__.pop("_prepare_cache_for_generation", None)

@@ -122,14 +122,15 @@ def test_revert_restores_the_softmax_cache():
 
 
 @pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
-def test_a_softmax_style_cache_still_gives_the_same_tokens(local):
+def test_a_softmax_cache_is_refused_in_one_line(local):
     from transformers import DynamicCache
 
     model = converted("llama", **local)
     ids, _ = inputs(batch=1, length=6)
-    ours = model.generate(ids, max_new_tokens=8, do_sample=False, **NO_EOS)
-    theirs = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(), **NO_EOS)
-    assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="constant-size FAVOR state, not a DynamicCache"):
+        model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(), **NO_EOS)
+    with pytest.raises(ValueError, match="constant-size FAVOR state, not a DynamicCache"):
+        model(ids, past_key_values=DynamicCache())
 
 
 @pytest.mark.parametrize("model_type, limit", [("bert", 128), ("roberta", 128), ("gpt2", 128), ("opt", 128),

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 
 from ..architectures import lookup, position_limit
-from ..conversion import converted_modules, from_pretrained, is_converted, performer_settings, redraw_projections
+from ..conversion import (
+    converted_modules,
+    from_pretrained,
+    is_converted,
+    mark_redraws_applied,
+    performer_settings,
+    redraw_projections,
+)
 from ..hub import task_of_architecture
 from .args import FinetuneArgs
 from .context import CHECKPOINTS, TrainingDiverged, complete_checkpoints
@@ -158,6 +165,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     redraw_interval = args.redraw_interval
     if redraw_interval is None:
         redraw_interval = performer_settings(model.config).redraw_interval or 0
+    mark_redraws_applied(model)
 
     with accelerator.main_process_first():
         packed = pack(load_texts(args), tokenizer, args.max_length, args.text_column)

@@ -1,0 +1,148 @@
+"""Every ordinary transformers entry point gives the Performer's own answer or a one-line error (issue 10)."""
+
+import copy
+import io
+
+import pytest
+import torch
+from tiny_models import LOCAL, PURE, inputs, tiny_model
+
+import performer_hf
+from performer_hf.generation import PerformerCache
+
+DECODERS = ["gpt2", "llama", "opt"]
+NO_EOS = dict(eos_token_id=None, pad_token_id=0)
+
+
+def converted(model_type, **kw):
+    return performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **{**PURE, **kw})
+
+
+def recomputed(model, ids, new_tokens=8):
+    """Greedy tokens recomputing the whole sequence at every step: the Performer's own answer."""
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, use_cache=False, **NO_EOS)
+
+
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_a_deep_copy_generates_its_own_tokens(model_type, local):
+    model = converted(model_type, **local)
+    ids, _ = inputs(batch=2, length=6)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():  # make the copy a different model: a copy still wired to the original would not notice
+        for p in clone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for m in (clone, model):
+        assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False, **NO_EOS), recomputed(m, ids))
+    performer_hf.revert(clone)  # the copy's hooks are its own: reverting it leaves the original converted
+    assert performer_hf.is_converted(model) and not performer_hf.is_converted(clone)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, **NO_EOS), recomputed(model, ids))
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama", "gpt2"])
+def test_torch_save_of_the_whole_model_round_trips(model_type):
+    model = converted(model_type, **(LOCAL if model_type != "bert" else {}))
+    ids, _ = inputs(batch=2, length=10)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # a file the user wrote themselves
+    assert performer_hf.is_converted(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    if model_type != "bert":
+        assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False, **NO_EOS), recomputed(model, ids, 6))
+
+
+@pytest.mark.parametrize("implementation", ["static", "offloaded", "sliding_window"])
+def test_softmax_cache_implementations_are_refused(implementation):
+    model = converted("llama", **LOCAL)
+    ids, _ = inputs(batch=1, length=6)
+    with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' keeps softmax keys"):
+        model.generate(ids, max_new_tokens=4, cache_implementation=implementation, **NO_EOS)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama", "gpt2"])
+def test_switching_the_attention_implementation_is_refused(model_type):
+    model = converted(model_type)
+    ids, _ = inputs(batch=1, length=6)
+    with pytest.raises(ValueError, match=r"set_attn_implementation\('eager'\) on a converted model"):
+        model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="set_attn_implementation"):
+        model.base_model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("performer")  # a no-op is fine
+    model.config._attn_implementation = "eager"  # the private route: caught at the next forward
+    with pytest.raises(ValueError, match="switched to 'eager'"):
+        model(ids)
+    model.config._attn_implementation = "performer"
+    performer_hf.revert(model)
+    model.set_attn_implementation("eager")  # after revert the model is the softmax model again
+    assert model(ids).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama", "gpt2"])
+def test_output_attentions_is_refused(model_type):
+    model = converted(model_type)
+    ids, _ = inputs(batch=1, length=6)
+    with pytest.raises(ValueError, match="output_attentions=True has nothing to return"):
+        model(ids, output_attentions=True)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama", "gpt2"])
+def test_loading_a_performer_without_performer_hf_is_refused(model_type, tmp_path):
+    import transformers
+
+    model = converted(model_type)
+    model.save_pretrained(tmp_path)
+    auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
+    plain = auto.from_pretrained(tmp_path, attn_implementation="performer")
+    ids, _ = inputs(batch=1, length=6)
+    with pytest.raises(ValueError, match=r"load converted checkpoints with performer_hf.from_pretrained"):
+        plain(ids)
+    reloaded = performer_hf.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_a_manual_decoding_loop_gets_the_constant_size_state(model_type, local):
+    model = converted(model_type, **local)
+    ids, _ = inputs(batch=2, length=6)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        assert isinstance(out.past_key_values, PerformerCache)
+        tokens, sizes = [out.logits[:, -1].argmax(-1, keepdim=True)], []
+        for _ in range(7):
+            out = model(tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+            sizes.append(out.past_key_values.nbytes())
+    assert torch.equal(torch.cat([ids, *tokens], dim=1), recomputed(model, ids))
+    assert len(set(sizes[len(sizes) // 2:])) == 1  # constant once the window is full
+
+
+def _trainer(model, tmp_path, callbacks):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(3, 90, (8, 12))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to=[],
+                             save_strategy="no", use_cpu=True, learning_rate=1e-3, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def test_trainer_redraws_with_the_callback_and_warns_without(tmp_path):
+    model = converted("llama", redraw_interval=2)
+    before = [m.projection.clone() for m in performer_hf.converted_modules(model).values()]
+    _trainer(model, tmp_path, [performer_hf.RedrawCallback(seed=7)]).train()
+    after = [m.projection for m in performer_hf.converted_modules(model).values()]
+    assert all(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    again = converted("llama", redraw_interval=2)  # the last redraw (step 4) is a function of the seed and step
+    performer_hf.redraw_projections(again, torch.Generator().manual_seed(7 * 1_000_003 + 4))
+    for a, b in zip(after, performer_hf.converted_modules(again).values(), strict=True):
+        assert torch.equal(a, b.projection)
+
+    model = converted("llama", redraw_interval=2)
+    with pytest.warns(UserWarning, match="RedrawCallback"):
+        _trainer(model, tmp_path, []).train()
