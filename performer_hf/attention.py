@@ -34,6 +34,12 @@ ATTN_IMPLEMENTATION = "performer"
 _handed_over = threading.local()  # (layer_idx, cache layer) from PerformerCache.update to the attention call next
 
 
+def tracing() -> bool:
+    """Under torch.compile or torch.export: no Python branch may depend on a tensor's values (the fast paths that
+    drop an all-True padding mask are skipped; the masked path gives the same answer)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 def hand_over(layer_idx: int | None, layer) -> None:
     """Called by `PerformerCache.update`: the attention function of layer `layer_idx`, which the model calls right
     after updating its cache, continues `layer`'s recurrent state."""
@@ -109,7 +115,7 @@ class FavorAttention(nn.Module):
     def _favor_a(self):
         if self.kernel != "favor++":
             return None
-        if bool(torch.isnan(self.favor_a).any()):
+        if not tracing() and bool(torch.isnan(self.favor_a).any()):
             raise ValueError("this favor++ layer has no calibrated A: convert with calibration inputs "
                              "(performer_hf.convert(model, kernel='favor++', calibration=batch))")
         return self.favor_a.unsqueeze(0)  # (1, H), broadcast over the batch
@@ -192,7 +198,7 @@ def key_padding_from_mask(attention_mask: torch.Tensor | None, kv_length: int) -
             attention_mask.dtype).min / 2
         attention_mask = allowed.any(dim=-2).any(dim=1)  # (B, Lk)
     mask = attention_mask[:, -kv_length:].to(torch.bool)
-    return None if bool(mask.all()) else mask
+    return mask if tracing() or not bool(mask.all()) else None
 
 
 def performer_attention_forward(
@@ -276,6 +282,11 @@ def performer_mask(
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         config = kwargs.get("config")
         if getattr(config, "sliding_window", None) is None:
+            if tracing():
+                raise ValueError(
+                    "while tracing (torch.compile/export), position_ids without an attention_mask may be packed "
+                    "sequences, which cannot be checked there and FAVOR attention does not support; pass an "
+                    "attention_mask, or leave position_ids out")
             raise ValueError(
                 "FAVOR attention supports padding and causal masks only; this input asks for another pattern "
                 "(packed sequences via position_ids, or a custom mask). Pass one sequence per row with an "
@@ -286,7 +297,7 @@ def performer_mask(
     mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
     if mask.shape[-1] < kv_length:  # a mask shorter than the keys: the missing tail is real tokens
         mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=True)
-    return None if bool(mask.all()) else mask
+    return mask if tracing() or not bool(mask.all()) else None
 
 
 def register() -> None:

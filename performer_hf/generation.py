@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ATTN_IMPLEMENTATION, hand_over
+from .attention import ATTN_IMPLEMENTATION, hand_over, tracing
 from .config import CONFIG_KEY
 
 
@@ -119,7 +119,7 @@ _NOT_CONVERTED = "call performer_hf.revert(model) first to get the softmax model
 
 def _argument(module, args: tuple, kwargs: dict, name: str):
     """(value, position in args or None) of a forward argument given by keyword or by position."""
-    if name in kwargs or len(args) <= 1:
+    if name in kwargs or not args:
         return kwargs.get(name), None
     names = list(inspect.signature(module.forward).parameters)
     index = names.index(name) if name in names else len(args)
@@ -148,11 +148,19 @@ def _guard(module, args, kwargs, *, causal: bool):
     if not causal or getattr(config, "add_cross_attention", False):  # decoders with cross-attention: softmax caches
         return None
     past, position = _argument(module, args, kwargs, "past_key_values")
+    if tracing() and past is None and _argument(module, args, kwargs, "attention_mask")[0] is None \
+            and _argument(module, args, kwargs, "position_ids")[0] is None:
+        # While tracing, transformers cannot rule out packed sequences from its own default positions and asks for
+        # a packed-sequence mask; an explicit all-real padding mask says what is true: one sequence per row.
+        tokens = _argument(module, args, kwargs, "input_ids")[0]
+        tokens = _argument(module, args, kwargs, "inputs_embeds")[0] if tokens is None else tokens
+        if tokens is not None:
+            kwargs["attention_mask"] = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
     if past is None:
         use_cache, _ = _argument(module, args, kwargs, "use_cache")
         use_cache = config.use_cache if use_cache is None else use_cache
-        if not use_cache or module.training:  # training builds no state (transformers' own choice applies)
-            return None
+        if not use_cache or module.training or tracing():
+            return args, kwargs  # training and tracing build no state (transformers' own choice applies)
         if position is not None:
             args = (*args[:position], PerformerCache(), *args[position + 1:])
         else:

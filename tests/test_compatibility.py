@@ -146,3 +146,37 @@ def test_trainer_redraws_with_the_callback_and_warns_without(tmp_path):
     model = converted("llama", redraw_interval=2)
     with pytest.warns(UserWarning, match="RedrawCallback"):
         _trainer(model, tmp_path, []).train()
+
+
+COMPILED = [("bert", {}), ("llama", PURE), ("llama", LOCAL), ("gpt2", LOCAL)]
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("model_type, local", COMPILED, ids=["bert", "llama-pure", "llama-local", "gpt2-local"])
+def test_torch_export_gives_the_eager_outputs(model_type, local, masked):
+    model = converted(model_type, **local)
+    ids, mask = inputs(batch=2, length=12)
+    kwargs = {"input_ids": ids, "use_cache": False, **({"attention_mask": mask} if masked else {})}
+    with torch.no_grad():  # an inference graph (FAVOR's custom backward is not exportable)
+        program = torch.export.export(model, (), kwargs)  # no "packed sequences" error without a mask
+        torch.testing.assert_close(program.module()(**kwargs).logits, model(**kwargs).logits)
+
+
+@pytest.mark.parametrize("model_type, local", COMPILED[1:3], ids=["llama-pure", "llama-local"])
+def test_torch_compile_fullgraph_gives_the_eager_outputs(model_type, local):
+    torch._dynamo.reset()
+    model = converted(model_type, **local)
+    ids, mask = inputs(batch=2, length=12)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # the full graph, no C++ build in tests
+    with torch.no_grad():
+        for kwargs in ({"attention_mask": mask}, {}):
+            torch.testing.assert_close(compiled(input_ids=ids, **kwargs).logits, model(input_ids=ids, **kwargs).logits)
+
+
+def test_packed_sequences_are_refused_only_when_packed():
+    model = converted("llama", **LOCAL)
+    ids, _ = inputs(batch=1, length=8)
+    with torch.no_grad():
+        model(ids, position_ids=torch.arange(8)[None], use_cache=False)  # one sequence: fine
+        with pytest.raises(ValueError, match="packed sequences via position_ids"):  # transformers only looks
+            model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), use_cache=False)  # without a cache
