@@ -16,6 +16,7 @@ from .conversion import (
     revert,
 )
 from .generation import PerformerCache
+from .sentence import load_sentence_transformer
 
 
 def __getattr__(name):  # transformers' Trainer machinery loads only for those who use it
@@ -30,6 +31,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PerformerCache", "PerformerConfig", "RedrawCallback", "convert", "converted_modules", "from_pretrained",
-    "is_converted", "performer_settings",
+    "is_converted", "load_sentence_transformer", "performer_settings",
     "redraw_projections", "revert", "supported_types", "__version__",
 ]

@@ -222,9 +222,10 @@ def performer_attention_forward(
         if type(module).__name__ in SELF_ATTENTION_CLASSES and not getattr(module, "is_cross_attention", False):
             raise ValueError(
                 f"{type(module).__name__} runs attn_implementation='performer' without a FAVOR module: this model "
-                "was not converted by performer_hf (AutoModel...from_pretrained(converted, "
-                "attn_implementation='performer') gives the softmax model); load converted checkpoints with "
-                "performer_hf.from_pretrained(path)")
+                "was loaded without performer_hf (AutoModel...from_pretrained, pipeline(model=path) and "
+                "SentenceTransformer(path) give the softmax model); load converted checkpoints with "
+                "performer_hf.from_pretrained(path) (sentence-transformers: "
+                "performer_hf.load_sentence_transformer(path))")
         if layer is not None:
             raise ValueError("a PerformerCache cannot serve a layer left with exact attention")
         if attention_mask is not None and attention_mask.dim() == 2:

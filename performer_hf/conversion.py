@@ -175,6 +175,9 @@ def _convert(model: PreTrainedModel, config: PerformerConfig, max_position_embed
         "converted_modules": [name for name, _ in targets],
     }
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    # saved in config.json: a plain transformers load then asks for "performer" (an error without performer_hf, a
+    # one-line error at the first forward with it) instead of silently running softmax attention
+    model.config.__dict__["attn_implementation"] = ATTN_IMPLEMENTATION
     limit = position_limit(spec, model.config)
     if limit is not None:
         model.register_forward_pre_hook(functools.partial(_check_length, limit=limit, model_type=spec.model_type),
@@ -225,6 +228,7 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
         model._forward_pre_hooks_with_kwargs.pop(key, None)
     generation.uninstall(model)
     meta = model.config.__dict__.pop(CONFIG_KEY, None) or {}
+    model.config.__dict__.pop("attn_implementation", None)
     model.set_attn_implementation(meta.get("original_attn_implementation") or "sdpa")
     return model
 
@@ -325,6 +329,7 @@ def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
     if model_class is None:
         raise ValueError(f"{path_or_hub_id}: config.architectures names {architecture!r}, which this transformers "
                          f"({transformers.__version__}) does not provide")
+    attention.register()  # config.json asks for attn_implementation="performer"
     quiet = _DropProjectionNotices()
     loggers = [logging.getLogger(n) for n in ("transformers.modeling_utils", "transformers.utils.loading_report")]
     for log in loggers:

@@ -51,6 +51,7 @@ def run(args: Args, model: str) -> int:
     from ..config import PerformerConfig
     from ..conversion import convert, performer_settings
     from ..hub import atomic_output_dir, check_output_dir, load_pretrained, model_card, push_directory, split_gguf
+    from ..sentence import copy_files, sentence_transformer_files
     from . import UsageError
 
     out = Path(args.out)
@@ -75,6 +76,10 @@ def run(args: Args, model: str) -> int:
         raise UsageError(f"--max-length must be positive, got {args.max_length}")
     loaded, tokenizer, task = load_pretrained(model, args.task, gguf_file=args.gguf_file)
     model, gguf_file = split_gguf(model, args.gguf_file)
+    try:  # checked before converting: a sentence-transformers model naming custom code or pickles is refused
+        st_files = sentence_transformer_files(model)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     limit = position_limit(lookup(loaded.config.model_type), loaded.config)
     extend_to = args.max_length if args.max_length is not None and (limit is None or args.max_length > limit) else None
     if args.max_length is not None:
@@ -111,6 +116,7 @@ def run(args: Args, model: str) -> int:
     with atomic_output_dir(out, overwrite=args.overwrite) as tmp:
         loaded.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        carried = copy_files(st_files, tmp)  # a sentence-transformers model stays one
         (tmp / "fidelity.json").write_text(json.dumps({"texts": len(texts), **metrics}, indent=1) + "\n")
         card = model_card(base_model=model, task=task, settings=settings, report=report,
                           model_type=loaded.config.model_type, location=args.push_to_hub or str(out))
@@ -120,6 +126,9 @@ def run(args: Args, model: str) -> int:
     if extend_to is not None and limit is not None:
         print(f"position table extended from {limit} to {extend_to} tokens by repeating it: fine-tune at the new "
               "length")
+    if carried:
+        print(f"kept it a sentence-transformers model ({', '.join(carried)}): load it with "
+              f"performer_hf.load_sentence_transformer({str(out)!r})")
     print(report)
     print("A converted model needs a short fine-tune to recover its accuracy: performer-hf finetune "
           f"{out} --out {out}-finetuned --distill")

@@ -80,6 +80,7 @@ class Stage:
 
     def save_final(self, tokenizer, metrics: dict):
         from ..hub import model_card, push_directory
+        from ..sentence import carry_files
 
         acc = self.accelerator
         acc.wait_for_everyone()
@@ -89,6 +90,8 @@ class Stage:
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
+            if getattr(self, "source", None):
+                carry_files(self.source, tmp)
             report = "\n".join(["| metric | value |", "|---|---|"] +
                                [f"| {k} | {v:.4f} |" for k, v in metrics.items()
                                 if k != "step" and isinstance(v, int | float)])

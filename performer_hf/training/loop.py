@@ -211,6 +211,8 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
         ctx = AttentionTransfer(args, accelerator, model, task, out)
     else:
         ctx = EndToEnd(args, accelerator, model, task, out, teacher)
+    # a sentence-transformers model stays one: its modules.json, pooling and normalisation go into the output
+    ctx.source = str(model_or_path) if isinstance(model_or_path, str | Path) else None
     progress = tqdm(total=max_steps, initial=state["step"], desc="fine-tuning",
                     disable=not (args.progress and accelerator.is_local_main_process))
     tokens, last_log = 0, time.perf_counter()
