@@ -25,9 +25,10 @@ import performer_hf
 from performer_hf.generation import PerformerCache
 
 
-def build(layers: int, hidden: int, heads: int, max_len: int):
+def build(layers: int, hidden: int, heads: int, max_len: int, kv_heads: int | None = None):
     config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_len)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                         max_position_embeddings=max_len)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: --heads); "
+                        "SmolLM2-135M: --layers 30 --hidden 576 --heads 9 --kv-heads 3")
     parser.add_argument("--num-features", type=int, default=256)
     # pure FAVOR by default, as in the README's table; --sink-tokens 4 --local-window 128 for the conversion default
     # (its state adds the window's W - 1 keys and values per layer, still constant in the context)
@@ -70,10 +73,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     max_len = max(args.lengths) + args.steps + 1
-    softmax = build(args.layers, args.hidden, args.heads, max_len)
+    softmax = build(args.layers, args.hidden, args.heads, max_len, args.kv_heads)
     performer = performer_hf.convert(copy.deepcopy(softmax), num_features=args.num_features,
                                      sink_tokens=args.sink_tokens, local_window=args.local_window)
-    print(f"Llama-shaped model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads; FAVOR+ "
+    print(f"Llama-shaped model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+          f"({args.kv_heads or args.heads} key/value); FAVOR+ "
           f"m={args.num_features}; {torch.get_num_threads()} threads", flush=True)
     rows = []
     for length in args.lengths:
@@ -87,6 +91,13 @@ def main(argv=None) -> int:
                                                        "rows": rows}, indent=1))
     table = "\n".join([HEADER, "|---|---|---|---|---|---|---|"] + [format_row(r) for r in rows]) + "\n"
     (args.out / "table.md").write_text(table)
+    # the KV cache grows by the same bytes every token: where it passes the constant state
+    first, last = rows[0], rows[-1]
+    per_token = (last["softmax_cache_mib"] - first["softmax_cache_mib"]) / max(1, last["context"] - first["context"])
+    if per_token > 0:
+        state = last["performer_cache_mib"]
+        table += (f"\nKV cache {per_token * 2**20 / 1024:.1f} KiB per token; the {state:.2f} MiB state is smaller "
+                  f"beyond {state / per_token:.0f} tokens of context\n")
     print("\n" + table)
     plot(rows, args.out / "generation.png")
     print(f"wrote {args.out}/results.json, table.md, generation.png")

@@ -128,3 +128,35 @@ def test_without_favor_only_sinks_and_window_count(causal):
     allowed = band | ((j < 2) & ((j <= i) if causal else True))
     exact = sdpa(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=allowed)
     torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("local", [(0, 0), (2, 3)], ids=["pure", "local"])
+@pytest.mark.parametrize("kernel", ["favor+", "hyperbolic"])
+def test_grouped_heads_keep_their_favor_sums_per_key_value_head(local, kernel):
+    """The 3 query heads of each key/value head share its key features: the state holds 2 heads' sums, not 6, and
+    outputs equal those of the same keys repeated per query head (float64)."""
+    from performer_hf.favor import causal_favor_attention, favor_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 20, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 20, 8, dtype=torch.float64), torch.randn(2, 2, 20, 8, dtype=torch.float64)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, :5] = False
+    w = draw_projection(16, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sinks, window = local
+    common = dict(projection=w, kernel=kernel, key_padding_mask=mask, chunk_size=4)
+    rk, rv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    if window:
+        extra = dict(sink_tokens=sinks, local_window=window)
+        grouped, state = causal_local_attention(q, k, v, **common, **extra)
+        repeated, _ = causal_local_attention(q, rk, rv, **common, **extra)
+        both = [local_attention(q, x, y, **common, **extra) for x, y in ((k, v), (rk, rv))]
+        kv = state.favor.kv
+    else:
+        grouped, state = causal_favor_attention(q, k, v, **common)
+        repeated, _ = causal_favor_attention(q, rk, rv, **common)
+        both = [favor_attention(q, x, y, **common) for x, y in ((k, v), (rk, rv))]
+        kv = state.kv
+    torch.testing.assert_close(grouped, repeated, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(both[0], both[1], rtol=1e-10, atol=1e-12)
+    assert kv.shape[1] == 2

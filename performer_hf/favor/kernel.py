@@ -122,10 +122,25 @@ class _FeatureMap:
         self.projection = projection.to(dtype=dtype).mT.contiguous().mT
         self.kernel, self.root, self.dtype, self.rep, self.a = kernel, root, dtype, rep, a
         self.exp_family = kernel in EXP_KERNELS
+        # Grouped-query attention with one projection and no per-head A: the `rep` query heads of a key/value head
+        # see the same key features, so keys, the running sums and the state stay per key/value head (rep x less)
+        self.shares_keys = rep > 1 and a is None and projection.dim() == 2
+        self.key_rep = 1 if self.shares_keys else rep  # how often keys and values are repeated for the FAVOR sums
 
     def _scaled(self, x, is_key=False):
         x = x.to(self.dtype) * self.root
-        return repeat_heads(x, self.rep) if is_key else x
+        return repeat_heads(x, self.key_rep) if is_key else x
+
+    def times_sums(self, q_feat: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """Query features (B, H, C, m') times key-side sums (B, H or Hkv, m' or C, X) -> (B, H, C, X)."""
+        if not self.shares_keys:
+            return q_feat @ sums
+        grouped = q_feat.unflatten(1, (q_feat.shape[1] // self.rep, self.rep))  # (B, Hkv, rep, C, m')
+        return (grouped @ sums.unsqueeze(2)).flatten(1, 2)
+
+    def per_query_head(self, x: torch.Tensor) -> torch.Tensor:
+        """A key-side (B, Hkv, ...) statistic for every query head (no-op when keys are already per query head)."""
+        return repeat_heads(x, self.rep) if self.shares_keys else x
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         q = self._scaled(q)
@@ -198,14 +213,19 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
     new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
     safe_max = _finite_or(new_max, 0.0)
     rescale = (_finite_or(running_max, safe_max) - safe_max).exp()  # shrink the carried sums to the new max
-    k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, C, m')
-    v1 = _values(v_c, fmap.rep, fmap.dtype)  # (B, H, C, Dv + 1)
+    k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, C, m')
+    v1 = _values(v_c, fmap.key_rep, fmap.dtype)  # (B, H or Hkv, C, Dv + 1)
     kv1 = kv1 * rescale[..., None, None]
     out = None
     if causal_q is not None:
-        scores = torch.tril(causal_q @ k_feat.transpose(-1, -2))  # (B, H, C, C), within the block
-        out = _normalise(scores @ v1 + causal_q @ kv1)  # (B, H, C, Dv)
+        scores = torch.tril(fmap.times_sums(causal_q, k_feat.transpose(-1, -2)))  # (B, H, C, C), within the block
+        out = _normalise(_grouped_matmul(fmap, scores, v1) + fmap.times_sums(causal_q, kv1))  # (B, H, C, Dv)
     return kv1 + k_feat.transpose(-1, -2) @ v1, new_max, out
+
+
+def _grouped_matmul(fmap, per_query_head: torch.Tensor, per_key_head: torch.Tensor) -> torch.Tensor:
+    """(B, H, C, K) @ (B, H or Hkv, K, X) -> (B, H, C, X)."""
+    return fmap.times_sums(per_query_head, per_key_head)
 
 
 def _blocks(tensors, size: int):
@@ -229,7 +249,7 @@ def _state_a(fmap, q) -> torch.Tensor | None:
 
 
 def _empty_state(fmap, q, v):
-    batch, heads = q.shape[0], q.shape[1]
+    batch, heads = q.shape[0], q.shape[1] // (fmap.rep if fmap.shares_keys else 1)
     num_feat = fmap.projection.shape[-2] * (1 if fmap.kernel in ("favor+", "favor++", "relu") else 2)
     kv1 = torch.zeros(batch, heads, num_feat, v.shape[-1] + 1, dtype=fmap.dtype, device=q.device)
     return kv1, torch.full((batch, heads), float("-inf"), dtype=fmap.dtype, device=q.device)
@@ -286,7 +306,7 @@ def favor_attention(
     for k_c, v_c, mask_c in zip(*_blocks((k, v, mask), block), strict=True):
         kv1, running_max, _ = _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max)
     # kv1 is now relative to the maximum over all real keys; any common scale cancels in the quotient
-    outputs = [_normalise(fmap.queries(q_c) @ kv1) for q_c in q.split(block, dim=2)]
+    outputs = [_normalise(fmap.times_sums(fmap.queries(q_c), kv1)) for q_c in q.split(block, dim=2)]
     return torch.cat(outputs, dim=2).to(q.dtype)  # (B, H, Lq, Dv)
 
 

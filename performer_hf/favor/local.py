@@ -245,10 +245,11 @@ def causal_local_attention(
         new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
         safe_max = _finite_or(new_max, 0.0)
         kv1 = kv1 * (_finite_or(running_max, safe_max) - safe_max).exp()[..., None, None]
-        k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, c, m')
-        v1 = _values(all_v[:, :, leaving], fmap.rep, fmap.dtype)
-        scores = torch.tril(q_base @ k_feat.transpose(-1, -2), diagonal=lag - local_window)  # (B, H, c, c)
-        outputs.append(_combine(exact, values, scores @ v1 + q_base @ kv1, q_log + safe_max.unsqueeze(-1)))
+        k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, c, m')
+        v1 = _values(all_v[:, :, leaving], fmap.key_rep, fmap.dtype)
+        scores = torch.tril(fmap.times_sums(q_base, k_feat.transpose(-1, -2)), diagonal=lag - local_window)
+        favor1 = fmap.times_sums(scores, v1) + fmap.times_sums(q_base, kv1)  # (B, H, c, Dv + 1)
+        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1)))
         kv1, running_max = kv1 + k_feat.transpose(-1, -2) @ v1, new_max
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
     keep = slice(all_k.shape[2] - lag, all_k.shape[2])
@@ -315,10 +316,10 @@ def local_attention(
             continue
         q_base, q_log = _query_terms(fmap, q_c, favor_bias)
         u, offset, _ = fmap.keys(k[:, :, lo:hi], (favor_ok[:, lo:hi])[:, None])
-        k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H, hi - lo, m')
+        k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, hi - lo, m')
         in_band = (band & favor_ok[:, None, lo:hi]).to(fmap.dtype)[:, None]
-        band_favor = ((q_base @ k_feat.transpose(-1, -2)) * in_band) @ values[0]
-        favor1 = q_base @ kv1 - band_favor  # the band's FAVOR terms taken out of the total
+        band_favor = (fmap.times_sums(q_base, k_feat.transpose(-1, -2)) * in_band) @ values[0]
+        favor1 = fmap.times_sums(q_base, kv1) - band_favor  # the band's FAVOR terms taken out of the total
         favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0)
-        outputs.append(_combine(exact, values, favor1, q_log + safe_max.unsqueeze(-1)))
+        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1)))
     return torch.cat(outputs, dim=2).to(q.dtype)
