@@ -180,3 +180,40 @@ def test_packed_sequences_are_refused_only_when_packed():
         model(ids, position_ids=torch.arange(8)[None], use_cache=False)  # one sequence: fine
         with pytest.raises(ValueError, match="packed sequences via position_ids"):  # transformers only looks
             model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), use_cache=False)  # without a cache
+
+
+def test_pipelines_run_the_performer():
+    from tiny_models import tiny_tokenizer
+    from transformers import pipeline
+
+    tokenizer = tiny_tokenizer("llama")
+    model = converted("llama", **LOCAL)
+    text = "linear attention"
+    out = pipeline("text-generation", model=model, tokenizer=tokenizer)(text, max_new_tokens=6, do_sample=False,
+                                                                         return_full_text=False, **NO_EOS)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(recomputed(model, ids, 6)[0, ids.shape[1]:], skip_special_tokens=True)
+    assert out[0]["generated_text"] == expected
+
+    bert = converted("bert")
+    features = pipeline("feature-extraction", model=bert.bert, tokenizer=tiny_tokenizer("bert"))(text)
+    with torch.no_grad():
+        direct = bert.bert(**tiny_tokenizer("bert")(text, return_tensors="pt")).last_hidden_state
+    torch.testing.assert_close(torch.tensor(features), direct)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_gradient_checkpointing_gives_the_same_gradients(model_type):
+    model = converted(model_type, **(LOCAL if model_type == "llama" else {}))
+    ids, mask = inputs(batch=2, length=10)
+    grads = []
+    for checkpointing in (False, True):
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad()
+        torch.manual_seed(0)  # the same dropout masks (checkpointing replays the RNG state)
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
