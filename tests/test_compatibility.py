@@ -217,3 +217,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_deep_copy_of_an_encoder_is_its_own_model():
+    model = converted("bert")
+    ids, mask = inputs(batch=2, length=10)
+    clone = copy.deepcopy(model)
+    performer_hf.revert(clone)
+    with torch.no_grad():
+        favor, exact = model(ids, attention_mask=mask).logits, clone(ids, attention_mask=mask).logits
+        assert not torch.allclose(favor, exact)  # the copy is the softmax model now, the original still FAVOR
+        assert torch.equal(favor, copy.deepcopy(model)(ids, attention_mask=mask).logits)
