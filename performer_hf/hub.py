@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import json
 import os
 import shutil
 import tempfile
@@ -224,26 +226,76 @@ performer-hf finetune {location} --out {location.rstrip('/').split('/')[-1]}-fin
     return f"---\n{data.to_yaml()}\n---\n{body}"
 
 
+# What a model repository holds: the model, its tokenizer and generation settings, the card and fidelity report,
+# and a sentence-transformers model's module files. Nothing else in a directory is ever uploaded.
+MODEL_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "model-[0-9]*-of-[0-9]*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "README.md", "fidelity.json",
+)
+
+
+def upload_plan(directory: Path) -> tuple[list[str], list[str]]:
+    """`(files to upload, files left out)` of a model directory, as paths relative to it.
+
+    Uploaded: the top-level files a model repository holds (`MODEL_FILES`) and the JSON configuration and safetensors
+    weights of the sentence-transformers modules named in `modules.json`. Left out: everything else (optimizer and RNG
+    states, checkpoints, metrics, logs, dotfiles such as `.env`, files in other folders) and any symbolic link, whose
+    target could lie outside the directory.
+    """
+    from .sentence import MODULE_FILES, TOP_FILES
+
+    directory = Path(directory)
+    wanted = [name for name in (p.name for p in sorted(directory.iterdir()))
+              if any(fnmatch.fnmatchcase(name, pattern) for pattern in (*MODEL_FILES, *TOP_FILES))]
+    modules = directory / "modules.json"
+    if modules.is_file() and not modules.is_symlink():
+        try:
+            folders = [str(m.get("path", "")) for m in json.loads(modules.read_text(encoding="utf-8"))]
+        except (ValueError, TypeError, AttributeError):
+            folders = []
+        wanted += [f"{folder}/{name}" for folder in folders if folder and ".." not in Path(folder).parts
+                   and not Path(folder).is_absolute() for name in MODULE_FILES]
+    upload = []
+    for name in wanted:
+        path = directory / name
+        # no link anywhere on the way: a linked folder or file could point out of the directory
+        links = [part for part in [path, *path.parents] if part.is_symlink() and directory in part.parents]
+        if path.is_file() and not links and not path.is_symlink():
+            upload.append(name)
+    everything = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() or p.is_symlink())
+    return upload, [name for name in everything if name not in upload]
+
+
 def push_directory(directory: Path, repo_id: str, *, private: bool = False, commit_message: str | None = None) -> str:
-    """Upload `directory` to the Hub repository `repo_id` (created if missing); returns the commit URL.
+    """Upload the model files of `directory` (see `upload_plan`) to the Hub repository `repo_id` (created if
+    missing); prints what is uploaded and what is left out, and returns the commit URL.
 
     The token comes from the usual places (HF_TOKEN, or the saved `hf auth login`) and is never printed. The
     directory is only read.
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: it is not a saved model directory")
+    upload, left_out = upload_plan(directory)
+    if "config.json" not in upload:
+        raise FileNotFoundError(f"{directory}/config.json is a link; copy the real file into {directory}")
     if get_token() is None:
         raise PermissionError("no Hugging Face token: set HF_TOKEN or run `hf auth login`; nothing was uploaded")
+    print(f"uploading {len(upload)} files to {repo_id}: {', '.join(upload)}")
+    if left_out:
+        shown = ", ".join(left_out[:12]) + (f" and {len(left_out) - 12} more" if len(left_out) > 12 else "")
+        print(f"left out (not part of a model repository, or a link): {shown}")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model",
-                                 commit_message=commit_message or f"Upload Performer from {directory.name}",
-                                 ignore_patterns=[".*", "checkpoints/*"])
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(directory / name)) for name in upload]
+        info = api.create_commit(repo_id, operations, repo_type="model",
+                                 commit_message=commit_message or f"Upload Performer from {directory.name}")
     except HfHubHTTPError as err:
         status = getattr(err.response, "status_code", None)
         why = {401: "the token was refused", 403: "the token has no write access to this repository"}.get(

@@ -232,3 +232,29 @@ def test_console_script_converts(bert_dir, tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert performer_hf.is_converted(performer_hf.from_pretrained(str(out)))
+
+
+def test_push_uploads_only_the_model_and_never_follows_links(bert_dir, tmp_path, fake_hub, capsys):
+    out = tmp_path / "dirty"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8"]) == 0
+    secret = tmp_path / "secret.txt"
+    secret.write_text("HF_TOKEN=hf_do_not_upload")
+    (out / "linked.json").symlink_to(secret)  # would be uploaded by name pattern? never: it is a link
+    (out / "tokenizer.model").symlink_to(secret)  # an allowed name, but a link out of the directory
+    (out / "sub").mkdir()
+    (out / "sub" / ".env").write_text("HF_TOKEN=hf_do_not_upload")
+    (out / ".env").write_text("HF_TOKEN=hf_do_not_upload")
+    for name in ("optimizer.bin", "random_states_0.pkl", "metrics.jsonl", "events.out.tfevents.1"):
+        (out / name).write_bytes(b"x")
+    (out / "runs" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    (out / "runs" / "checkpoints" / "checkpoint-1" / "model.safetensors").write_bytes(b"x")
+    capsys.readouterr()
+    assert main(["push", str(out), "me/clean"]) == 0
+    files = fake_hub.repos["me/clean"]["files"]
+    assert {"config.json", "model.safetensors", "README.md", "fidelity.json"} <= set(files)
+    assert not set(files) & {"linked.json", "tokenizer.model", ".env", "sub/.env", "optimizer.bin",
+                             "random_states_0.pkl", "metrics.jsonl", "events.out.tfevents.1",
+                             "runs/checkpoints/checkpoint-1/model.safetensors"}
+    assert not any(b"hf_do_not_upload" in data for data in files.values())
+    printed = capsys.readouterr().out
+    assert "uploading" in printed and "left out" in printed and "optimizer.bin" in printed
