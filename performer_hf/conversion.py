@@ -25,8 +25,7 @@ from .architectures import ArchitectureSpec, lookup, position_limit
 from .attention import ATTN_IMPLEMENTATION, FavorAttention
 from .config import CONFIG_KEY, FORMAT_VERSION, PerformerConfig
 
-_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder",
-               "trust_remote_code")
+_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder")
 _FAVOR_MARK = ".performer."  # every tensor a FavorAttention saves (projection, FAVOR++ A, learned scales)
 
 
@@ -316,8 +315,19 @@ def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
     Example:
         >>> model = performer_hf.from_pretrained("bert-performer")  # doctest: +SKIP
     """
+    from .hub import NO_REMOTE_CODE, custom_code_message, refuse_custom_code
+
+    if kwargs.get("trust_remote_code"):
+        raise ValueError(custom_code_message(path_or_hub_id))
+    kwargs = {**kwargs, **NO_REMOTE_CODE}
     hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    config = AutoConfig.from_pretrained(path_or_hub_id, **hub_kwargs)
+    try:
+        config = AutoConfig.from_pretrained(path_or_hub_id, **hub_kwargs, **NO_REMOTE_CODE)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ValueError(custom_code_message(path_or_hub_id)) from None
+        raise
+    refuse_custom_code(path_or_hub_id, config)
     settings = performer_settings(config)
     if settings is None:
         raise ValueError(

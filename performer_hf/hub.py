@@ -28,6 +28,21 @@ class LoadError(OSError):
     """A model or tokenizer that could not be loaded, with what to do about it."""
 
 
+# performer-hf never runs a model repository's own Python code (config `auto_map`); every transformers load passes this
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+def custom_code_message(model_id: str) -> str:
+    return (f"{model_id} needs its own Python code (auto_map in its config); performer-hf never runs a model's custom "
+            "code, so custom-code models are not supported: use a model whose architecture transformers ships")
+
+
+def refuse_custom_code(model_id: str, config) -> None:
+    """A LoadError for a config that maps its classes to the repository's own code."""
+    if getattr(config, "auto_map", None):
+        raise LoadError(custom_code_message(model_id))
+
+
 def load_error_message(model_id: str, err: BaseException) -> str:
     """One line saying why `model_id` could not be loaded and what to try."""
     from huggingface_hub import constants
@@ -37,6 +52,8 @@ def load_error_message(model_id: str, err: BaseException) -> str:
     looks_local = model_id.startswith((".", "/", "~")) or os.sep in model_id.rstrip(os.sep).split(os.sep, 1)[-1]
     if looks_local and not Path(model_id).expanduser().exists():
         return f"{model_id}: no such directory"
+    if "trust_remote_code" in str(err) or "custom code" in str(err):
+        return custom_code_message(model_id)
     if isinstance(err, GatedRepoError) or "gated" in text.lower():
         return (f"{model_id} is a gated model: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN), "
                 "or pass a local directory")
@@ -118,10 +135,14 @@ def load_pretrained(model_id: str, task: str = "auto", gguf_file: str | None = N
         except ImportError:
             raise LoadError("reading GGUF checkpoints needs the gguf package: pip install gguf") from None
         kwargs = {**kwargs, "gguf_file": gguf_file}
+    if kwargs.get("trust_remote_code"):
+        raise LoadError(custom_code_message(model_id))
+    kwargs = {**kwargs, **NO_REMOTE_CODE}
     try:
         config = transformers.AutoConfig.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
         raise LoadError(load_error_message(model_id, err)) from err
+    refuse_custom_code(model_id, config)
     lookup(config.model_type)  # refuse unsupported architectures before downloading weights
     task = resolve_task(config, task)
     if task == "base" and gguf_file is not None and config.model_type in ("llama", "mistral", "qwen2", "qwen3",

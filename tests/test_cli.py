@@ -258,3 +258,50 @@ def test_push_uploads_only_the_model_and_never_follows_links(bert_dir, tmp_path,
     assert not any(b"hf_do_not_upload" in data for data in files.values())
     printed = capsys.readouterr().out
     assert "uploading" in printed and "left out" in printed and "optimizer.bin" in printed
+
+
+def _custom_code_model(directory: Path) -> Path:
+    """A model folder whose config maps to its own code; importing that code would write `ran.txt`."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "my_custom", "architectures": ["MyModel"],
+                                                       "auto_map": {"AutoConfig": "code.MyConfig",
+                                                                    "AutoModel": "code.MyModel"}}))
+    (directory / "code.py").write_text(f"open({str(directory / 'ran.txt')!r}, 'w').write('ran')\n"
+                                       "from transformers import PretrainedConfig\n"
+                                       "class MyConfig(PretrainedConfig):\n    model_type = 'my_custom'\n")
+    return directory
+
+
+def test_custom_code_never_runs_even_on_a_terminal(tmp_path):
+    import pty
+
+    model = _custom_code_model(tmp_path / "custom")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    pid, fd = pty.fork()
+    if pid == 0:  # the child runs the CLI on a terminal, where transformers would ask "[y/N]"
+        os.execve(str(CONSOLE), [str(CONSOLE), "convert", str(model), "--out", str(tmp_path / "o")], env)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+        if b"[y/N]" in output:
+            os.write(fd, b"y\n")  # a careless user says yes: still nothing may run
+    _, status = os.waitpid(pid, 0)
+    text = output.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 1, text
+    assert "custom-code models are not supported" in text and "[y/N]" not in text and "offline" not in text
+    assert not (model / "ran.txt").exists()
+
+
+def test_custom_code_is_refused_by_the_python_api(tmp_path):
+    model = _custom_code_model(tmp_path / "custom")
+    with pytest.raises(ValueError, match="custom-code models are not supported"):
+        performer_hf.from_pretrained(str(model), trust_remote_code=True)
+    with pytest.raises(ValueError, match="custom-code models are not supported"):
+        performer_hf.from_pretrained(str(model))
+    assert not (model / "ran.txt").exists()

@@ -29,7 +29,7 @@ def run(args: Args, dir: str, repo: str) -> int:  # noqa: A002 (the argument is 
         raise UsageError(f"{directory} is not a model directory (no config.json)")
     from transformers import AutoConfig
 
-    if performer_settings(AutoConfig.from_pretrained(directory)) is None:
+    if performer_settings(AutoConfig.from_pretrained(directory, trust_remote_code=False)) is None:
         raise UsageError(f"{directory} is not a converted model (no Performer settings in config.json); "
                          f"convert it first: performer-hf convert {directory} --out DIR")
     url = push_directory(directory, repo, private=args.private, commit_message=args.commit_message)

@@ -25,7 +25,7 @@ from ..conversion import (
     performer_settings,
     redraw_projections,
 )
-from ..hub import task_of_architecture
+from ..hub import NO_REMOTE_CODE, task_of_architecture
 from .args import FinetuneArgs
 from .context import CHECKPOINTS, TrainingDiverged, complete_checkpoints
 from .data import SeededCollator, load_texts, pack, with_index
@@ -51,17 +51,17 @@ def _load_student(model_or_path, tokenizer):
             raise FileNotFoundError(f"{path}: no such model directory")
         from transformers import AutoConfig
 
-        if performer_settings(AutoConfig.from_pretrained(path)) is None:
+        if performer_settings(AutoConfig.from_pretrained(path, **NO_REMOTE_CODE)) is None:
             raise ValueError(f"{path} is not a converted model; convert it first: performer-hf convert {path} "
                              f"--out {path.rstrip('/')}-performer (or performer_hf.convert(model) in Python)")
         model = from_pretrained(path)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, **NO_REMOTE_CODE)
     else:
         model = model_or_path
         if not is_converted(model):
             raise ValueError("the model is not converted; call performer_hf.convert(model) first")
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, **NO_REMOTE_CODE)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -76,7 +76,8 @@ def _load_teacher(student, args: FinetuneArgs):
         raise ValueError("no teacher: this model does not record the model it was converted from; pass --teacher")
     source, gguf_file = split_gguf(source, None if args.teacher else meta.get("base_model_gguf_file"))
     try:
-        teacher = type(student).from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+        teacher = type(student).from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}),
+                                                **NO_REMOTE_CODE)
     except (OSError, ValueError) as err:
         raise LoadError(f"teacher: {load_error_message(source, err)}") from err
     if gguf_file:
