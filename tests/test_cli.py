@@ -305,3 +305,12 @@ def test_custom_code_is_refused_by_the_python_api(tmp_path):
     with pytest.raises(ValueError, match="custom-code models are not supported"):
         performer_hf.from_pretrained(str(model))
     assert not (model / "ran.txt").exists()
+
+
+def test_env_never_prints_credentials_in_the_endpoint(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://alice:s3cret-pass@127.0.0.1:9/hub?token=hf_abc"}
+    result = subprocess.run([str(CONSOLE), "env", "--timeout", "1"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0
+    assert "s3cret-pass" not in result.stdout + result.stderr and "alice" not in result.stdout + result.stderr
+    assert "hf_abc" not in result.stdout + result.stderr and "***@127.0.0.1:9" in result.stdout

@@ -19,24 +19,40 @@ class Args:
     timeout: float = field(default=3.0, metadata={"help": "seconds to wait for the Hub"})
 
 
+def redact_url(url: str) -> str:
+    """`url` with any user name, password and query string replaced by ***, for printing."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
 def hub_status(timeout: float) -> str:
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return "offline mode (HF_HUB_OFFLINE=1)"
     endpoint = constants.ENDPOINT
+    shown = redact_url(endpoint)  # HF_ENDPOINT may carry credentials: never print them
     import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/models?limit=1", method="HEAD"),
                                     timeout=timeout) as response:
-            return f"reachable ({endpoint}, HTTP {response.status})"
+            return f"reachable ({shown}, HTTP {response.status})"
     except urllib.error.HTTPError as err:  # it answered
-        return f"reachable ({endpoint}, HTTP {err.code})"
+        return f"reachable ({shown}, HTTP {err.code})"
     except (OSError, ValueError) as err:  # no route, DNS, timeout, bad endpoint
-        reason = getattr(err, "reason", err)
-        return f"not reachable ({endpoint}: {reason})"
+        reason = str(getattr(err, "reason", err)).replace(endpoint, shown)
+        reason = type(err).__name__ if "@" in reason else reason
+        return f"not reachable ({shown}: {reason})"
 
 
 def run(args: Args) -> int:
