@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import glob
 import json
 import os
 import shutil
@@ -174,9 +175,15 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):  # left by a killed run (its pid is gone)
+        if not _alive(stale.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename: give the user's normal permissions
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -187,6 +194,19 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process `pid` (a string from a directory name) still runs; unparsable names count as alive."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def model_card(*, base_model: str | None, task: str, settings: PerformerConfig, report: str | None,

@@ -314,3 +314,40 @@ def test_env_never_prints_credentials_in_the_endpoint(tmp_path):
     assert result.returncode == 0
     assert "s3cret-pass" not in result.stdout + result.stderr and "alice" not in result.stdout + result.stderr
     assert "hf_abc" not in result.stdout + result.stderr and "***@127.0.0.1:9" in result.stdout
+
+
+def test_invalid_values_exit_2_with_one_line(bert_dir, tmp_path, capsys):
+    for flags in (["--max-length", "0"], ["--max-steps", "0"], ["--learning-rate", "-1"]):
+        assert main(["finetune", str(tmp_path / "m"), "--out", str(tmp_path / "o"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
+    existing = tmp_path / "a-file"
+    existing.write_text("x")
+    assert main(["finetune", bert_dir, "--out", str(existing)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_importing_exits_130_with_one_line(tmp_path):
+    import signal
+    import time
+
+    process = subprocess.Popen([str(CONSOLE), "env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.4)  # Python is up; torch and transformers are still importing
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.strip().endswith("interrupted") and err.count("\n") == 1
+
+
+def test_convert_cleans_what_a_killed_convert_left_and_writes_normal_permissions(bert_dir, tmp_path):
+    out = tmp_path / "perm"
+    stale = tmp_path / ".perm.partial-999999999-abc"  # no such process
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8"]) == 0
+    finally:
+        os.umask(old_umask)
+    assert not stale.exists()
+    assert (out.stat().st_mode & 0o777) == 0o755

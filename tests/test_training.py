@@ -111,6 +111,9 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
     (checkpoints / ".step_9.partial").mkdir()
     (checkpoints / "step_99").mkdir()
     finetune(model_dir, FinetuneArgs(out=str(tmp_path / "resumed"), resume=True, **common))
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    assert steps == list(range(1, 11))  # step 7 was logged before the kill: cut back, logged once
     a = load_file(tmp_path / "straight" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -164,7 +167,6 @@ def test_bad_inputs_get_their_messages(tmp_path, capsys):
          "no such file"),
         (["finetune", model_dir, "--out", str(tmp_path / "d"), "--max-length", "4096"],
          "--max-length 4096 exceeds the 128 positions"),
-        (["finetune", model_dir, "--out", str(tmp_path / "e"), "--resume"], "no complete checkpoint"),
         (["finetune", str(tmp_path / "src-bert"), "--out", str(tmp_path / "f")], "is not a converted model"),
     ]
     for argv, message in cases:
@@ -230,3 +232,36 @@ def test_bf16_mixed_precision_through_accelerate(tmp_path):
                                               **QUICK))
     seen = losses(tmp_path / "ft")
     assert len(seen) == 6 and all(map(math.isfinite, seen)) and math.isfinite(result["eval_loss"])
+
+
+def test_resume_without_a_complete_checkpoint_starts_again(tmp_path, capsys):
+    model_dir = converted_dir(tmp_path, "bert")
+    out = tmp_path / "killed-early"
+    (out / "checkpoints" / ".step_2.partial").mkdir(parents=True)  # killed while writing its first checkpoint
+    (out / ".final.partial").mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    assert main(["finetune", model_dir, "--out", str(out), "--resume", "--max-steps", "2", "--max-length", "32",
+                 "--batch-size", "2", "--max-eval-samples", "2", "--corpus", "stdlib"]) == 0
+    assert "starting from the beginning" in capsys.readouterr().out
+    assert not (out / "checkpoints" / ".step_2.partial").exists() and not (out / ".final.partial").exists()
+    assert (out / "model.safetensors").is_file()
+
+
+def test_resume_says_when_it_cannot_be_exact_and_refuses_corrupt_checkpoints(tmp_path, capsys):
+    model_dir = converted_dir(tmp_path, "bert")
+    common = dict(max_steps=4, save_steps=1, seed=7, **QUICK)
+    out = tmp_path / "run"
+    finetune(model_dir, FinetuneArgs(out=str(out), **common))
+    capsys.readouterr()
+    finetune(model_dir, FinetuneArgs(out=str(out), resume=True, **{**common, "max_steps": 5}))
+    assert "not an exact resume" not in capsys.readouterr().out  # a sound checkpoint resumes exactly
+    (out / "checkpoints" / "step_5" / "random_states_0.pkl").write_bytes(b"not a pickle")
+    finetune(model_dir, FinetuneArgs(out=str(out), resume=True, **{**common, "max_steps": 6}))
+    assert "not an exact resume" in capsys.readouterr().out
+    weights = out / "checkpoints" / "step_6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    assert main(["finetune", model_dir, "--out", str(out), "--resume", "--max-steps", "7", "--corpus", "stdlib",
+                 "--max-length", "32", "--batch-size", "2", "--max-eval-samples", "2"]) == 1
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]  # (after the loading progress bars)
+    assert last.startswith("performer-hf finetune: error: --resume:") and "cannot be loaded" in last
+    assert "step_6" in last

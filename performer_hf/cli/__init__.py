@@ -13,8 +13,6 @@ import dataclasses
 import importlib
 import sys
 
-from transformers import HfArgumentParser
-
 SUBCOMMANDS = ("convert", "finetune", "push", "env")  # each subcommand joins when it works
 
 
@@ -35,6 +33,8 @@ def _load(name):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser
+
     parser = argparse.ArgumentParser(
         prog="performer-hf", description="Turn pretrained Hugging Face Transformers into Performers.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on failure")
@@ -49,13 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # everything, imports of torch and transformers included, answers Ctrl-C with one line
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("performer-hf: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     namespace = parser.parse_args(argv)
     if namespace.command is None:
         parser.print_help()
         return 2
     module = namespace._module
-    args = module.Args(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(module.Args)})
+    try:
+        args = module.Args(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(module.Args)})
+    except ValueError as err:  # a value the flags' types accept but the settings do not (--max-steps 0)
+        message = str(err).strip().splitlines()[0] if str(err).strip() else "invalid arguments"
+        print(f"performer-hf {namespace.command}: error: {message}", file=sys.stderr)
+        return 2
     positionals = {name: getattr(namespace, name) for name, _ in getattr(module, "POSITIONAL", ())}
     try:
         return module.run(args, **positionals)

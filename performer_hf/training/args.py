@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def _help(text: str, **extra) -> dict:
@@ -91,6 +92,19 @@ class FinetuneArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"FinetuneArgs.{name} must be at least 1, got {value}")
+        positive = {"learning_rate": self.learning_rate, "num_epochs": self.num_epochs, "temperature": self.temperature}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"FinetuneArgs.{name} must be positive, got {value}")
+        for name in ("weight_decay", "max_grad_norm", "task_weight", "kl_weight", "hidden_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"FinetuneArgs.{name} must be 0 or more, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"FinetuneArgs.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise ValueError(f"FinetuneArgs.max_eval_samples must be at least 1, got {self.max_eval_samples}")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"--out {self.out} is a file; pass a directory")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"FinetuneArgs.mlm_probability must be in (0, 1), got {self.mlm_probability}")
         if self.dataset and self.train_file:

@@ -26,6 +26,40 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def clean_partial_checkpoints(out: Path) -> None:
+    """Remove checkpoints and final saves that a killed run left half-written (they never count as complete)."""
+    for stale in [*(out / CHECKPOINTS).glob(".step_*.partial"), out / ".final.partial"]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def cut_metrics(metrics: Path, step: int) -> None:
+    """Keep the rows of `metrics` up to `step`: a resumed run logs the later steps again."""
+    if not metrics.is_file():
+        return
+    kept = []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+    tmp = metrics.with_suffix(".jsonl.partial")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(metrics)
+
+
+def rng_state_readable(checkpoint: Path, process_index: int) -> bool:
+    """Whether accelerate can restore this process's random state (it skips an unreadable one with a log line)."""
+    from accelerate.utils import load  # torch.load(weights_only=True) with accelerate's allowlist (numpy state)
+
+    try:
+        states = load(checkpoint / f"random_states_{process_index}.pkl")
+        return isinstance(states, dict) and "torch_manual_seed" in states
+    except Exception:
+        return False
+
+
 class Stage:
     """One training stage: `loss(batch) -> (loss, logs)` and `evaluate(eval_dl, step) -> metrics` in subclasses."""
 

@@ -9,8 +9,10 @@ the newest complete one and replays exactly what an uninterrupted run would have
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -27,7 +29,14 @@ from ..conversion import (
 )
 from ..hub import NO_REMOTE_CODE, task_of_architecture
 from .args import FinetuneArgs
-from .context import CHECKPOINTS, TrainingDiverged, complete_checkpoints
+from .context import (
+    CHECKPOINTS,
+    TrainingDiverged,
+    clean_partial_checkpoints,
+    complete_checkpoints,
+    cut_metrics,
+    rng_state_readable,
+)
 from .data import SeededCollator, load_texts, pack, with_index
 from .end_to_end import EndToEnd, with_lora
 from .transfer import AttentionTransfer, train_only_feature_maps
@@ -135,8 +144,12 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     from transformers import DataCollatorForLanguageModeling, get_scheduler
 
     out = Path(args.out)
+    clean_partial_checkpoints(out)  # what a run killed while writing left behind
     if args.resume and not complete_checkpoints(out):
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {out / CHECKPOINTS}")
+        print(f"--resume: no complete checkpoint under {out / CHECKPOINTS}; starting from the beginning", flush=True)
+        shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        args = dataclasses.replace(args, resume=False)
     if not args.resume and out.exists() and any(p.name != ".gitkeep" for p in out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue a run, or choose another "
                               "--out")
@@ -204,9 +217,20 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0}
     if args.resume:
         checkpoint = complete_checkpoints(out)[-1]
-        accelerator.load_state(str(checkpoint))
+        exact = rng_state_readable(checkpoint, accelerator.process_index)
+        try:
+            accelerator.load_state(str(checkpoint))
+        except Exception as err:  # a truncated or corrupt file of the checkpoint
+            raise ValueError(f"--resume: {checkpoint} cannot be loaded ({type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0] if str(err).strip() else 'corrupt'}); delete it "
+                             "to resume from the checkpoint before, or start again without --resume") from None
         state = json.loads((checkpoint / "loop_state.json").read_text())
         accelerator.print(f"resumed from {checkpoint} (step {state['step']})")
+        if not exact:
+            accelerator.print(f"--resume: the random state in {checkpoint} cannot be read; continuing with a fresh "
+                              "one, so data order and masking differ from an uninterrupted run (not an exact resume)")
+        if accelerator.is_main_process:
+            cut_metrics(out / "metrics.jsonl", state["step"])  # steps after the checkpoint will be logged again
 
     if args.stage == "attention":
         ctx = AttentionTransfer(args, accelerator, model, task, out)
