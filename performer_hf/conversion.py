@@ -278,10 +278,14 @@ def _load_projections(model: PreTrainedModel, path: str, hub_kwargs: dict) -> No
               for key, tensor in module.state_dict(keep_vars=True).items()}
     found, where = {}, {}
     for file in _weight_files(path, hub_kwargs):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if _FAVOR_MARK in key:
-                    found[key], where[key] = f.get_tensor(key), file
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if _FAVOR_MARK in key:
+                        found[key], where[key] = f.get_tensor(key), file
+        except Exception as err:  # safetensors' own error type
+            raise ValueError(f"{file} is truncated or corrupt ({str(err).strip()[:200]}); re-save or re-download "
+                             "it") from None
     missing = sorted(set(wanted) - set(found))
     if missing:
         raise ValueError(f"{path} lacks the saved FAVOR tensors of {len(missing)} layers (first: {missing[0]}); "
@@ -345,7 +349,11 @@ def from_pretrained(path_or_hub_id: str, **kwargs: Any) -> PreTrainedModel:
     for log in loggers:
         log.addFilter(quiet)
     try:
-        model = model_class.from_pretrained(path_or_hub_id, config=config, **kwargs)
+        model = model_class.from_pretrained(path_or_hub_id, config=config, use_safetensors=True, **kwargs)
+    except Exception as err:  # truncated weights, or only a pickle: one line naming the checkpoint
+        from .hub import load_error_message
+
+        raise ValueError(load_error_message(path_or_hub_id, err)) from err
     finally:
         for log in loggers:
             log.removeFilter(quiet)

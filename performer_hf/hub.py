@@ -46,6 +46,8 @@ def refuse_custom_code(model_id: str, config) -> None:
 
 def load_error_message(model_id: str, err: BaseException) -> str:
     """One line saying why `model_id` could not be loaded and what to try."""
+    if not isinstance(err, OSError | ValueError) and type(err).__name__ != "SafetensorError":
+        raise err  # a bug, not a loading problem: keep its traceback
     from huggingface_hub import constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -55,6 +57,11 @@ def load_error_message(model_id: str, err: BaseException) -> str:
         return f"{model_id}: no such directory"
     if "trust_remote_code" in str(err) or "custom code" in str(err):
         return custom_code_message(model_id)
+    if type(err).__name__ == "SafetensorError":
+        return f"{model_id}: a safetensors weight file is truncated or corrupt ({text}); re-download or re-save it"
+    if "safetensors" in text and ("no file named" in text or "does not appear to have" in text):
+        return (f"{model_id} has no safetensors weights, only a pickled pytorch_model.bin, which performer-hf never "
+                "loads (a pickle can run code); re-save it with save_pretrained (safetensors) and convert that")
     if isinstance(err, GatedRepoError) or "gated" in text.lower():
         return (f"{model_id} is a gated model: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN), "
                 "or pass a local directory")
@@ -149,10 +156,12 @@ def load_pretrained(model_id: str, task: str = "auto", gguf_file: str | None = N
     if task == "base" and gguf_file is not None and config.model_type in ("llama", "mistral", "qwen2", "qwen3",
                                                                           "phi3", "gpt2", "gpt_neox"):
         task = "causal-lm"  # GGUF files hold language models; their config names no head class
+    weights = {} if gguf_file is not None else {"use_safetensors": True}  # never a pickled pytorch_model.bin
     try:
-        model = getattr(transformers, TASK_CLASSES[task]).from_pretrained(model_id, config=config, **kwargs)
+        model = getattr(transformers, TASK_CLASSES[task]).from_pretrained(model_id, config=config, **kwargs,
+                                                                          **weights)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, **kwargs)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # safetensors raises its own error type for truncated files
         raise LoadError(load_error_message(model_id, err)) from err
     if gguf_file is not None:
         model = dequantized(model)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import CAUSAL, CONFIGS, LOCAL, PURE, inputs, sharpen_attention, tiny_config, tiny_model
+from tiny_models import CAUSAL, CONFIGS, LOCAL, PURE, inputs, save_tiny, sharpen_attention, tiny_config, tiny_model
 
 import performer_hf
 from performer_hf import PerformerConfig
@@ -253,3 +253,21 @@ def test_cross_attention_stays_exact():
 def test_readme_architecture_table_is_generated_from_the_registry():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert markdown_table() in readme, "regenerate it: python -m performer_hf.architectures"
+
+
+def test_truncated_or_pickled_checkpoints_are_one_line_errors(tmp_path):
+    import os
+
+    from performer_hf.cli import main
+
+    model = performer_hf.convert(tiny_model("bert"), num_features=16)
+    model.save_pretrained(tmp_path / "conv")
+    weights = tmp_path / "conv" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ValueError, match="safetensors weight file is truncated or corrupt"):
+        performer_hf.from_pretrained(str(tmp_path / "conv"))
+    source = save_tiny(tmp_path / "pickled")
+    os.remove(tmp_path / "pickled" / "model.safetensors")
+    torch.save(tiny_model("bert").state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    assert main(["convert", source, "--out", str(tmp_path / "out")]) == 1  # never unpickled, even weights_only
+    assert not (tmp_path / "out").exists()

@@ -85,9 +85,9 @@ def _load_teacher(student, args: FinetuneArgs):
         raise ValueError("no teacher: this model does not record the model it was converted from; pass --teacher")
     source, gguf_file = split_gguf(source, None if args.teacher else meta.get("base_model_gguf_file"))
     try:
-        teacher = type(student).from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}),
-                                                **NO_REMOTE_CODE)
-    except (OSError, ValueError) as err:
+        teacher = type(student).from_pretrained(
+            source, **({"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True}), **NO_REMOTE_CODE)
+    except Exception as err:  # load_error_message re-raises what is not a loading problem
         raise LoadError(f"teacher: {load_error_message(source, err)}") from err
     if gguf_file:
         teacher = dequantized(teacher)
