@@ -265,3 +265,37 @@ def test_resume_says_when_it_cannot_be_exact_and_refuses_corrupt_checkpoints(tmp
     last = capsys.readouterr().err.rstrip().splitlines()[-1]  # (after the loading progress bars)
     assert last.startswith("performer-hf finetune: error: --resume:") and "cannot be loaded" in last
     assert "step_6" in last
+
+
+def test_bad_training_data_is_one_line_naming_the_file(tmp_path, capsys):
+    model_dir = converted_dir(tmp_path, "bert")
+    good = "\n".join(f"line number {i} of ordinary text" for i in range(50))
+    files = {
+        "binary.txt": (b"some text\x00\x01\x02" * 100, "is binary"),
+        "latin1.txt": ("caf\u00e9 au lait\n".encode("latin-1") * 50, "is not UTF-8"),
+        "cut.jsonl": ((json.dumps({"text": "fine"}) + "\n") * 5 + '{"text": "cut sho', "line 6: not valid JSON"),
+        "numbers.jsonl": ((json.dumps({"text": "fine"}) + "\n") * 3 + json.dumps({"text": 42}) + "\n",
+                          "line 4: 'text' is a int, not text"),
+        "numbers.csv": ("text\n" + "\n".join(str(i) for i in range(50)), "holds int64, not text"),
+        "one-line.txt": ("word " * 200_000, "too few to hold out"),
+    }
+    capsys.readouterr()
+    for name, (content, message) in files.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        assert main(["finetune", model_dir, "--out", str(tmp_path / f"out-{name}"), "--train-file", str(path)]) == 1
+        last = capsys.readouterr().err.rstrip().splitlines()[-1]  # (after any loading progress bars)
+        assert last.startswith("performer-hf finetune: error:") and message in last and str(path) in last, name
+    (tmp_path / "good.txt").write_text(good)  # the checks pass ordinary text
+    assert len(load_texts(FinetuneArgs(out="x", train_file=str(tmp_path / "good.txt")))["train"]) > 40
+
+
+def test_offline_dataset_message_fits_the_case(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(OSError) as info:
+        load_texts(FinetuneArgs(out="x", dataset="nobody/no-such-dataset"))
+    assert "offline mode (HF_HUB_OFFLINE=1) is on" in str(info.value) and "set HF_HUB_OFFLINE=1" not in str(info.value)

@@ -3,7 +3,10 @@ into fixed blocks."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import json
+import math
 from itertools import chain
 from pathlib import Path
 
@@ -19,6 +22,61 @@ def _file_format(path: str) -> str:
     if suffix not in formats:
         raise ValueError(f"{path}: unsupported data file type {suffix!r}; use .txt, .json, .jsonl, .csv or .parquet")
     return formats[suffix]
+
+
+def _check_text_file(path: str, flag: str, kind: str, text_column: str) -> None:
+    """One line naming the file (and line) for data that would otherwise fail deep inside `datasets`: binary or
+    non-UTF-8 bytes, a JSON line that does not parse or whose text is not a string."""
+    if kind == "parquet":
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if b"\0" in chunk:
+                raise ValueError(f"{flag} {path} is binary (a NUL byte at offset {offset + chunk.index(0)}); pass "
+                                 "UTF-8 text (.txt, .jsonl, .csv)")
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{flag} {path} is not UTF-8 (near byte {offset + err.start}); re-encode it as "
+                                 "UTF-8") from None
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"{flag} {path} is not UTF-8 (it ends inside a character); re-encode it as UTF-8") \
+                from None
+    if kind != "json":
+        return
+    with open(path, encoding="utf-8") as f:
+        first = f.read(1)
+    if first == "[":  # one JSON array: datasets reads it whole
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{flag} {path}, line {number}: not valid JSON ({err.msg}); fix or remove the "
+                                 "line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{flag} {path}, line {number}: a JSON {type(row).__name__}, not an object with "
+                                 f"a {text_column!r} field")
+            if text_column in row and not isinstance(row[text_column], str | type(None)):
+                raise ValueError(f"{flag} {path}, line {number}: {text_column!r} is a {type(row[text_column]).__name__}"
+                                 ", not text")
+
+
+def _check_split_sizes(raw, args, source: str) -> None:
+    rows = len(raw["train"])
+    valid = math.ceil(rows * args.validation_percent / 100)
+    if rows < 2 or rows - valid < 1 or valid < 1:
+        raise ValueError(f"{source} has {rows} document{'s' if rows != 1 else ''} (one per line, or per row), too few "
+                         f"to hold out {args.validation_percent}% for validation; pass --validation-file, or split the "
+                         "text into more documents (lines)")
 
 
 def load_texts(args):
@@ -37,14 +95,27 @@ def load_texts(args):
         kinds = {_file_format(p) for p in files.values()}
         if len(kinds) > 1:
             raise ValueError(f"train and validation files must have the same type, got {sorted(kinds)}")
-        raw = datasets.load_dataset(kinds.pop(), data_files=files)
+        kind = kinds.pop()
+        for split, path in files.items():
+            _check_text_file(path, f"--{split}-file", kind, args.text_column)
+        try:
+            raw = datasets.load_dataset(kind, data_files=files)
+        except Exception as err:  # a malformed csv or parquet file: datasets raises its own types
+            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"--train-file {args.train_file} cannot be read as {kind} ({text})") from None
+        source = f"--train-file {args.train_file}"
     elif args.dataset:
         try:
             raw = datasets.load_dataset(args.dataset, args.dataset_config)
         except Exception as err:  # the datasets library raises many types for "cannot reach / cannot find"
-            raise OSError(f"cannot load dataset {args.dataset!r} ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}); use --train-file with local data, or "
-                          "set HF_HUB_OFFLINE=1 to use the cache") from err
+            from huggingface_hub import constants
+
+            what = (f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            advice = ("it is not in the local cache and offline mode (HF_HUB_OFFLINE=1) is on; use --train-file with "
+                      "local data, or unset HF_HUB_OFFLINE to download it") if constants.HF_HUB_OFFLINE else \
+                ("use --train-file with local data, or set HF_HUB_OFFLINE=1 to use the local cache")
+            raise OSError(f"cannot load dataset {args.dataset!r} ({what}); {advice}") from err
+        source = f"--dataset {args.dataset}"
     else:
         train, valid = corpus_split(args.corpus, args.validation_percent)
         return datasets.DatasetDict({"train": datasets.Dataset.from_dict({args.text_column: train}),
@@ -54,7 +125,15 @@ def load_texts(args):
                          f"{raw['train'].column_names}); pass --text-column")
     if len(raw["train"]) == 0:
         raise ValueError("the training data has no rows")
+    for split in raw:
+        if args.text_column not in raw[split].column_names:
+            raise ValueError(f"{source}: the {split} split has no column {args.text_column!r}")
+        dtype = getattr(raw[split].features[args.text_column], "dtype", None)
+        if dtype not in ("string", "large_string"):
+            raise ValueError(f"{source}: column {args.text_column!r} of the {split} split holds {dtype}, not text; "
+                             "pass --text-column with a text column")
     if "validation" not in raw:
+        _check_split_sizes(raw, args, source)
         split = raw["train"].train_test_split(test_size=args.validation_percent / 100, seed=args.seed)
         raw = datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     return raw
