@@ -1,5 +1,6 @@
 """Converting tiny models of every registered architecture: weights, outputs, padding, revert, save/load."""
 
+import re
 import warnings
 from pathlib import Path
 
@@ -271,3 +272,28 @@ def test_truncated_or_pickled_checkpoints_are_one_line_errors(tmp_path):
     torch.save(tiny_model("bert").state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
     assert main(["convert", source, "--out", str(tmp_path / "out")]) == 1  # never unpickled, even weights_only
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("corruption, message", [
+    (lambda t: t[:1].clone(), "has shape (1, 8) and dtype torch.float32, expected (16, 8)"),
+    (lambda t: torch.full_like(t, float("nan")), "holds NaN or infinite values"),
+    (lambda t: torch.full_like(t, float("inf")), "holds NaN or infinite values"),
+    (lambda t: t.long(), "expected (16, 8) floating point"),
+])
+def test_corrupt_saved_projections_are_load_errors(tmp_path, corruption, message):
+    from safetensors.torch import load_file, save_file
+
+    model = performer_hf.convert(tiny_model("bert"), num_features=16)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "bert.encoder.layer.1.attention.self.performer.projection"
+    tensors[key] = corruption(tensors[key])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        performer_hf.from_pretrained(str(tmp_path))
+    assert key in str(info.value) and "model.safetensors" in str(info.value)
+
+
+def test_num_features_is_bounded():
+    with pytest.raises(ValueError, match="num_features"):
+        performer_hf.PerformerConfig(num_features=10**9)
