@@ -165,6 +165,8 @@ def load_pretrained(model_id: str, task: str = "auto", gguf_file: str | None = N
         raise LoadError(load_error_message(model_id, err)) from err
     if gguf_file is not None:
         model = dequantized(model)
+        # the model's source is the GGUF file itself: a conversion records it, and distillation finds the teacher
+        model.config._name_or_path = str(Path(model_id) / gguf_file)
     return model.eval(), tokenizer, task
 
 
