@@ -137,6 +137,11 @@ def test_gguf_checkpoint_dequantises_to_a_plain_model_that_saves(smollm2, tmp_pa
     assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
     model.save_pretrained(tmp_path)  # the GGUF-loaded object itself refuses this
     assert (tmp_path / "model.safetensors").stat().st_size > 500e6
+    # a conversion in Python records the GGUF file, so distillation finds its teacher
+    from performer_hf.hub import split_gguf
+
+    directory, gguf_file = split_gguf(model.config._name_or_path)
+    assert gguf_file is not None and gguf_file.endswith(".gguf") and (Path(directory) / gguf_file).is_file()
 
 
 def test_smollm2_zero_shot_with_the_defaults_stays_within_1_2x(smollm2):
