@@ -43,7 +43,7 @@ ARMS = {
     "window+favor": (LOCAL, [], "exact sinks + window, untrained FAVOR beyond (the zero-shot default)"),
     "window+favor+transfer": ({**LOCAL, **LEARNED}, [("attention", {})], "+ attention transfer of learned features"),
     "window+favor+transfer+e2e": ({**LOCAL, **LEARNED}, [("attention", {}), ("end-to-end", {})],
-                                  "+ end-to-end distillation with LoRA"),
+                                  "+ end-to-end logit distillation, all weights"),
     "window-only+e2e": ({**LOCAL, "favor_beyond_window": False}, [("end-to-end", {})],
                         "sinks + window alone, the same end-to-end stage (the fair comparison for FAVOR)"),
     "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
