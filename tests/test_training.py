@@ -221,7 +221,8 @@ def test_the_final_model_can_be_pushed(tmp_path, monkeypatch):
         finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), max_steps=2, save_steps=1, push_to_hub="me/ft",
                                          **QUICK))
     files = hub.repos["me/ft"]["files"]
-    assert {"model.safetensors", "config.json", "README.md", "metrics.jsonl"} <= set(files)
+    assert {"model.safetensors", "config.json", "README.md"} <= set(files)
+    assert "metrics.jsonl" not in files  # a model repository holds the model, not the run's logs
     assert not any(name.startswith("checkpoints/") for name in files)  # resumable state stays local
     assert b"Fine-tuned for 2 steps after conversion" in files["README.md"]
 
