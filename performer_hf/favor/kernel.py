@@ -132,10 +132,11 @@ class _FeatureMap:
         return repeat_heads(x, self.key_rep) if is_key else x
 
     def times_sums(self, q_feat: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """Query features (B, H, C, m') times key-side sums (B, H or Hkv, m' or C, X) -> (B, H, C, X)."""
+        """A per-query-head (B, H, C, K) tensor (query features, or block scores) times a key-side (B, H or Hkv, K, X)
+        one (key features, values, or the running sums) -> (B, H, C, X)."""
         if not self.shares_keys:
             return q_feat @ sums
-        grouped = q_feat.unflatten(1, (q_feat.shape[1] // self.rep, self.rep))  # (B, Hkv, rep, C, m')
+        grouped = q_feat.unflatten(1, (q_feat.shape[1] // self.rep, self.rep))  # (B, Hkv, rep, C, K)
         return (grouped @ sums.unsqueeze(2)).flatten(1, 2)
 
     def per_query_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,13 +220,9 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
     out = None
     if causal_q is not None:
         scores = torch.tril(fmap.times_sums(causal_q, k_feat.transpose(-1, -2)))  # (B, H, C, C), within the block
-        out = _normalise(_grouped_matmul(fmap, scores, v1) + fmap.times_sums(causal_q, kv1))  # (B, H, C, Dv)
+        out = _normalise(fmap.times_sums(scores, v1) + fmap.times_sums(causal_q, kv1))  # (B, H, C, Dv)
     return kv1 + k_feat.transpose(-1, -2) @ v1, new_max, out
 
-
-def _grouped_matmul(fmap, per_query_head: torch.Tensor, per_key_head: torch.Tensor) -> torch.Tensor:
-    """(B, H, C, K) @ (B, H or Hkv, K, X) -> (B, H, C, X)."""
-    return fmap.times_sums(per_query_head, per_key_head)
 
 
 def _blocks(tensors, size: int):
