@@ -221,10 +221,7 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
     for name in modules:
         owner = model.get_submodule(name)
         del owner.performer
-    hooks = model._forward_pre_hooks
-    for key in [k for k, hook in hooks.items() if getattr(hook, "func", None) is _check_length]:
-        del hooks[key]
-        model._forward_pre_hooks_with_kwargs.pop(key, None)
+    generation.remove_pre_hooks(model, _check_length)
     generation.uninstall(model)
     meta = model.config.__dict__.pop(CONFIG_KEY, None) or {}
     model.config.__dict__.pop("attn_implementation", None)

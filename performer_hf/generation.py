@@ -218,11 +218,18 @@ def install(model, causal: bool) -> None:
         model.__dict__["_prepare_cache_for_generation"] = _PrepareCache(model)
 
 
-def uninstall(model) -> None:
+def remove_pre_hooks(model, function) -> None:
+    """Remove every forward pre-hook that is `functools.partial(function, ...)` from `model` and its submodules
+    (found by what they are, so a copy of the model loses its own hooks, not the original's)."""
     for module in model.modules():
         hooks = module._forward_pre_hooks
-        for key in [k for k, hook in hooks.items() if getattr(hook, "func", None) is _guard]:
+        for key in [k for k, hook in hooks.items() if getattr(hook, "func", None) is function]:
             del hooks[key]
             module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def uninstall(model) -> None:
+    remove_pre_hooks(model, _guard)
+    for module in model.modules():
         module.__dict__.pop("set_attn_implementation", None)
     model.__dict__.pop("_prepare_cache_for_generation", None)
