@@ -65,6 +65,7 @@ class Stage:
 
     description = "training"
     mlm_inputs = True  # masked-LM models get masked inputs (the attention stage wants the plain text)
+    source: str | None = None  # the model directory or Hub id trained from (its sentence-transformers files are kept)
 
     def __init__(self, args, accelerator, model, task, out: Path):
         self.args, self.accelerator, self.model, self.task, self.out = args, accelerator, model, task, out
@@ -124,7 +125,7 @@ class Stage:
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
-            if getattr(self, "source", None):
+            if self.source:
                 carry_files(self.source, tmp)
             report = "\n".join(["| metric | value |", "|---|---|"] +
                                [f"| {k} | {v:.4f} |" for k, v in metrics.items()
