@@ -312,9 +312,9 @@ def upload_plan(directory: Path) -> tuple[list[str], list[str]]:
     upload = []
     for name in wanted:
         path = directory / name
-        # no link anywhere on the way: a linked folder or file could point out of the directory
+        # no link anywhere on the way (the file itself included): a linked folder or file could point out
         links = [part for part in [path, *path.parents] if part.is_symlink() and directory in part.parents]
-        if path.is_file() and not links and not path.is_symlink():
+        if path.is_file() and not links:
             upload.append(name)
     everything = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() or p.is_symlink())
     return upload, [name for name in everything if name not in upload]
