@@ -5,17 +5,13 @@ import io
 
 import pytest
 import torch
-from tiny_models import LOCAL, PURE, inputs, tiny_model
+from test_generation import NO_EOS, converted
+from tiny_models import LOCAL, PURE, inputs
 
 import performer_hf
 from performer_hf.generation import PerformerCache
 
 DECODERS = ["gpt2", "llama", "opt"]
-NO_EOS = dict(eos_token_id=None, pad_token_id=0)
-
-
-def converted(model_type, **kw):
-    return performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **{**PURE, **kw})
 
 
 def recomputed(model, ids, new_tokens=8):
