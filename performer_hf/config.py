@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
-from .favor import EXP_KERNELS, KERNELS, NORM_KINDS, PROJECTION_KINDS
+from .favor import EXP_KERNELS, KERNELS, LEARNED_ONLY_KERNELS, NORM_KINDS, PROJECTION_KINDS
 
 CONFIG_KEY = "performer"
 FORMAT_VERSION = 2  # 2: sinks, local window, learned features, stored FAVOR++ A
@@ -35,8 +35,10 @@ class PerformerConfig:
     num_features: int = field(default=256, metadata={"help": "Random features m per attention layer (paper: 256 for "
                                                              "head dim 64; more features, lower error)."})
     kernel: str = field(default="favor+", metadata={"help": f"Feature map, one of {KERNELS}. favor+ and favor++ "
-                                                            "approximate softmax; trig is for comparison only; relu "
-                                                            "is the paper's generalized attention."})
+                                                            "approximate softmax; hedgehog is a learned softmax "
+                                                            "feature map (needs learned_features and training); "
+                                                            "trig is for comparison only; relu is the paper's "
+                                                            "generalized attention."})
     projection: str = field(default="orthogonal", metadata={"help": f"Random projection, one of {PROJECTION_KINDS}."})
     norms: str = field(default="chi", metadata={"help": f"Row norms of the projection, one of {NORM_KINDS}: chi keeps "
                                                         "the estimator unbiased, fixed gives every row sqrt(d)."})
@@ -89,13 +91,22 @@ class PerformerConfig:
         if (self.sink_tokens or self.local_window) and self.kernel not in EXP_KERNELS:
             raise ValueError(f"PerformerConfig: sink_tokens and local_window need a kernel that estimates softmax "
                              f"weights ({', '.join(EXP_KERNELS)}), got kernel={self.kernel!r}")
+        if self.kernel in LEARNED_ONLY_KERNELS and (self.sink_tokens or self.local_window):
+            raise ValueError(f"PerformerConfig: kernel={self.kernel!r} gives normalised features with no softmax scale "
+                             "to share a normaliser with exact weights, so it runs without sinks or a window; set "
+                             "sink_tokens=0 and local_window=0, or use favor+ with learned_features=True")
+        if self.kernel in LEARNED_ONLY_KERNELS and not self.learned_features:
+            raise ValueError(f"PerformerConfig: kernel={self.kernel!r} is a learned feature map (no estimate of "
+                             "softmax until trained); set learned_features=True (--learned-features) and train it with "
+                             "attention transfer")
         if self.learned_features and self.redraw_interval is not None:
             raise ValueError("PerformerConfig: learned features are trained, never redrawn; drop redraw_interval")
 
     def resolved(self, causal: bool) -> PerformerConfig:
         """These settings with `None` sink_tokens / local_window replaced by the defaults for causal or
-        bidirectional models (a causal model with a relu or trig kernel gets none)."""
-        defaults = CAUSAL_DEFAULTS if causal and self.kernel in EXP_KERNELS else BIDIRECTIONAL_DEFAULTS
+        bidirectional models (a causal model with a relu, trig or hedgehog kernel gets none)."""
+        local = causal and self.kernel in EXP_KERNELS and self.kernel not in LEARNED_ONLY_KERNELS
+        defaults = CAUSAL_DEFAULTS if local else BIDIRECTIONAL_DEFAULTS
         return dataclasses.replace(self, **{k: v if getattr(self, k) is None else getattr(self, k)
                                             for k, v in defaults.items()})
 

@@ -14,6 +14,7 @@ from performer_hf.favor import (
     favor_plus_plus_a,
     favor_step,
     feature_map,
+    hedgehog_features,
     materialize,
 )
 
@@ -155,7 +156,7 @@ def test_causal_favor_approaches_causal_softmax():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kernel", ["favor+", "favor++", "hyperbolic", "relu"])
+@pytest.mark.parametrize("kernel", ["favor+", "favor++", "hyperbolic", "hedgehog", "relu"])
 def test_padding_never_changes_real_tokens(causal, kernel):
     q, k, v = qkv(b=1, length=20)
     w = proj(32, 16)
@@ -189,7 +190,7 @@ def test_padded_batch_matches_each_sequence_alone():
     torch.testing.assert_close(batched[1:, :, :8], second, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("kernel", ["favor+", "favor++", "hyperbolic"])
+@pytest.mark.parametrize("kernel", ["favor+", "favor++", "hyperbolic", "hedgehog"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck(kernel, causal):
     q, k, v = qkv(b=1, h=1, length=6, d=4, norm=1.0)
@@ -280,3 +281,24 @@ def test_bad_projection_arguments_are_named():
         draw_projection(8, 4, kind="hadamard")
     with pytest.raises(ValueError, match="norms must be one of"):
         draw_projection(8, 4, norms="unit")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hedgehog_is_a_softmax_feature_map_used_exactly(causal):
+    """phi(x) = softmax([Wx, -Wx]) (up to a constant): every token's features have the same sum, and the kernel
+    computes normalised phi(q) . phi(k) attention exactly; its projection gets correct gradients (the log-sum-exp
+    normaliser is differentiated, not shifted away in place)."""
+    q, k, v = qkv(b=2, length=20, norm=2.0)
+    w = proj(8, 16).requires_grad_()
+    root = 16**-0.25
+    fq, fk = (materialize(*hedgehog_features(t * root, w)) for t in (q, k))
+    sums = fk.sum(-1)
+    torch.testing.assert_close(sums, torch.full_like(sums, 0.25))  # 1 / sqrt(2m): a constant that cancels
+    scores = fq @ fk.mT
+    scores = scores.tril() if causal else scores
+    reference = scores / scores.sum(-1, keepdim=True) @ v
+    out = favor_attention(q, k, v, projection=w, kernel="hedgehog", causal=causal, chunk_size=8)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-12)
+    grad, = torch.autograd.grad(out.square().sum(), w)
+    expected, = torch.autograd.grad(reference.square().sum(), w)
+    torch.testing.assert_close(grad, expected, rtol=1e-8, atol=1e-10)

@@ -19,7 +19,8 @@ class Args:
                                                              "sequence-classification"]})
     num_features: int = field(default=256, metadata={"help": "random features per layer"})
     kernel: str = field(default="favor+", metadata={"help": "feature map",
-                                                    "choices": ["favor+", "hyperbolic", "favor++", "trig", "relu"]})
+                                                    "choices": ["favor+", "hyperbolic", "favor++", "hedgehog", "trig",
+                                                                "relu"]})
     projection: str = field(default="orthogonal", metadata={"help": "random projection",
                                                             "choices": ["orthogonal", "gaussian", "structured"]})
     seed: int = field(default=0, metadata={"help": "seed of the projections"})

@@ -3,12 +3,14 @@
 from .features import (
     EXP_KERNELS,
     KERNELS,
+    LEARNED_ONLY_KERNELS,
     POSITIVE_KERNELS,
     exp_logits,
     favor_plus_plus_a,
     favor_plus_plus_a_from_moments,
     favor_plus_plus_features,
     feature_map,
+    hedgehog_features,
     hyperbolic_features,
     materialize,
     positive_features,
@@ -23,6 +25,7 @@ __all__ = [
     "EXP_KERNELS", "exp_logits", "KERNELS", "POSITIVE_KERNELS", "NORM_KINDS", "PROJECTION_KINDS", "FavorState",
     "LocalState", "causal_favor_attention", "causal_local_attention", "local_attention", "draw_projection",
     "favor_attention", "favor_plus_plus_a", "favor_plus_plus_a_from_moments", "favor_plus_plus_features",
-    "favor_step", "feature_map", "hadamard_matrix", "hyperbolic_features", "materialize", "positive_features",
+    "favor_step", "feature_map", "hadamard_matrix", "hedgehog_features", "hyperbolic_features",
+    "LEARNED_ONLY_KERNELS", "materialize", "positive_features",
     "relu_features", "trig_features",
 ]

@@ -16,8 +16,9 @@ import math
 
 import torch
 
-KERNELS = ("favor+", "hyperbolic", "favor++", "trig", "relu")
-POSITIVE_KERNELS = ("favor+", "hyperbolic", "favor++", "relu")
+KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog", "trig", "relu")
+POSITIVE_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog", "relu")
+LEARNED_ONLY_KERNELS = ("hedgehog",)  # no estimator of softmax until trained
 
 
 def materialize(base: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x.pow(2).sum(dim=-1)  # (..., L)
 
 
-EXP_KERNELS = ("favor+", "hyperbolic", "favor++")
+EXP_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
 
 
 def exp_logits(
@@ -52,6 +53,11 @@ def exp_logits(
     if kernel == "hyperbolic":
         wx = x @ projection.mT
         return torch.cat([wx, -wx], dim=-1), _half_sq_norm(x)  # (..., L, 2m)
+    if kernel == "hedgehog":
+        # softmax over [w.x, -w.x]: each token's features sum to one (the per-token normaliser is the offset). The
+        # log-sum-exp is taken from wx, not from the concatenation, which the kernel later shifts in place.
+        wx = x @ projection.mT
+        return torch.cat([wx, -wx], dim=-1), torch.logaddexp(wx.logsumexp(-1), (-wx).logsumexp(-1))
     if kernel == "favor++":
         if a is None:
             raise ValueError("the favor++ feature map needs `a` (see favor_plus_plus_a)")
@@ -83,6 +89,13 @@ def positive_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.
 def hyperbolic_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hyperbolic positive features: [exp(w.x), exp(-w.x)] * exp(-|x|^2 / 2) / sqrt(2m). Lower variance, 2m columns."""
     return _exp_features(x, projection, "hyperbolic")
+
+
+def hedgehog_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned feature map in the manner of Hedgehog (Zhang et al., 2024): phi(x) = softmax([W x, -W x]), 2m
+    columns summing to one. Not an estimator of exp(x . y) for a random W: `W` (per head) must be trained, by
+    attention transfer, to make phi(q) . phi(k) proportional to the softmax weights."""
+    return _exp_features(x, projection, "hedgehog")
 
 
 def favor_plus_plus_a(q: torch.Tensor, k: torch.Tensor, q_mask=None, k_mask=None) -> torch.Tensor:
@@ -151,6 +164,8 @@ def feature_map(
         return positive_features(x, projection)
     if kernel == "hyperbolic":
         return hyperbolic_features(x, projection)
+    if kernel == "hedgehog":
+        return hedgehog_features(x, projection)
     if kernel == "favor++":
         if a is None:
             raise ValueError("the favor++ feature map needs `a` (see favor_plus_plus_a)")

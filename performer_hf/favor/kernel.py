@@ -272,8 +272,8 @@ def favor_attention(
             Queries, keys and values; Hkv may divide H (grouped-query attention).
         projection (`torch.Tensor` of shape `(m, D)` or `(H, m, D)`): random projection from `draw_projection`,
             shared by the heads or one per head.
-        kernel (`str`, *optional*, defaults to `"favor+"`): `"favor+"`, `"hyperbolic"`, `"favor++"`, `"trig"`
-            (comparison only) or `"relu"` (generalized attention, its own kernel).
+        kernel (`str`, *optional*, defaults to `"favor+"`): `"favor+"`, `"hyperbolic"`, `"favor++"`,
+            `"hedgehog"` (learned), `"trig"` (comparison only) or `"relu"` (generalized attention, its own kernel).
         causal (`bool`, *optional*, defaults to `False`): token i attends to keys 0..i (needs Lq == Lk).
         key_padding_mask (`torch.Tensor` of shape `(B, Lk)`, *optional*): True for real tokens, False for padding.
         chunk_size (`int`, *optional*, defaults to 64): tokens per block of the causal form.

@@ -19,8 +19,8 @@ sums are on one scale; each query row is stabilised by the largest log-term of e
   difference is a sum of positive terms up to rounding; it is clamped at zero).
 
 Sinks are the first S *real* tokens of each row (by rank among unpadded tokens), so left and right padding never
-change the outputs of real tokens. Only the exponential kernels (favor+, hyperbolic, favor++) estimate exp(q.k) and
-can share a normaliser with exact weights.
+change the outputs of real tokens. Only the exponential kernels (favor+, hyperbolic, favor++, and hedgehog once trained)
+estimate exp(q.k) and can share a normaliser with exact weights.
 """
 
 from __future__ import annotations
