@@ -22,18 +22,21 @@ def projections(model):
     return {name: m.projection.detach().clone() for name, m in performer_hf.converted_modules(model).items()}
 
 
-@pytest.mark.parametrize("model_type, local", [("llama", LOCAL), ("bert", PURE)], ids=["llama-local", "bert-pure"])
-def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local):
+@pytest.mark.parametrize("model_type, local, kernel", [("llama", LOCAL, "favor+"), ("bert", PURE, "favor+"),
+                                                      ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog")],
+                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog"])
+def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel):
     # peaked attention (large init), where random features start far from softmax
     model_dir = converted_dir(tmp_path, model_type, init_range=0.3, learned_features=True, per_head_features=True,
-                              **local)
+                              kernel=kernel, **local)
     ids, mask = inputs(batch=4, length=32, seed=5)
     before = layer_errors(performer_hf.from_pretrained(model_dir).base_model, {"input_ids": ids})
     result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "at"), stage="attention", max_steps=40,
                                               **{**QUICK, "learning_rate": 3e-2}))
     trained = performer_hf.from_pretrained(str(tmp_path / "at"))
     after = layer_errors(trained.base_model, {"input_ids": ids})
-    assert all(a < 0.8 * b for a, b in zip(after, before, strict=True)), (before, after)
+    factor = 0.8 if kernel == "favor+" else 0.9  # hedgehog starts from a map that is no estimator: slower at first
+    assert all(a < factor * b for a, b in zip(after, before, strict=True)), (before, after)
     assert result["eval_attention_error"] == pytest.approx(sum(result["eval_attention_error_per_layer"]) /
                                                             len(after), rel=1e-3)
     logged = [r for r in rows(tmp_path / "at") if "loss" in r]
@@ -48,6 +51,31 @@ def test_attention_transfer_needs_learned_features(tmp_path):
     model_dir = converted_dir(tmp_path, "gpt2")
     with pytest.raises(ValueError, match="learned_features=True"):
         finetune(model_dir, FinetuneArgs(out=str(tmp_path / "at"), stage="attention", max_steps=2, **QUICK))
+
+
+def test_hedgehog_needs_learned_features_and_runs_without_a_window():
+    with pytest.raises(ValueError, match="kernel='hedgehog' is a learned feature map"):
+        performer_hf.convert(tiny_model("bert"), kernel="hedgehog")
+    with pytest.raises(ValueError, match="set sink_tokens=0 and local_window=0"):
+        performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True, local_window=8)
+    model = performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True)
+    assert not performer_hf.performer_settings(model.config).is_local  # the causal default window is not applied
+
+
+def test_feature_maps_only_end_to_end_trains_nothing_else(tmp_path):
+    """`feature_maps_only`: the logit KL falls while every weight but the FAVOR modules' stays the original's."""
+    model_dir = converted_dir(tmp_path, "llama", init_range=0.3, learned_features=True, per_head_features=True,
+                              **PURE)
+    finetune(model_dir, FinetuneArgs(out=str(tmp_path / "fm"), distill=True, task_weight=0.0, hidden_weight=0.0,
+                                     feature_maps_only=True, max_steps=30, **{**QUICK, "learning_rate": 3e-2}))
+    kl = [r["kl_loss"] for r in rows(tmp_path / "fm") if "loss" in r]
+    assert sum(kl[-5:]) < 0.9 * sum(kl[:5]), kl
+    original = performer_hf.from_pretrained(model_dir).state_dict()
+    trained = performer_hf.from_pretrained(str(tmp_path / "fm")).state_dict()
+    changed = {k for k, v in trained.items() if not torch.equal(v, original[k])}
+    assert changed and all(".performer." in k for k in changed)
+    with pytest.raises(ValueError, match="--feature-maps-only is an end-to-end option"):
+        FinetuneArgs(out=str(tmp_path / "x"), stage="attention", feature_maps_only=True)
 
 
 def test_learned_features_save_reload_bit_identically_and_are_never_redrawn(tmp_path):

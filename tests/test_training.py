@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import save_tiny
+from tiny_models import save_tiny, tiny_model, tiny_tokenizer
 
 import performer_hf
 from performer_hf import fidelity
@@ -300,3 +300,30 @@ def test_offline_dataset_message_fits_the_case(tmp_path, monkeypatch):
     with pytest.raises(OSError) as info:
         load_texts(FinetuneArgs(out="x", dataset="nobody/no-such-dataset"))
     assert "offline mode (HF_HUB_OFFLINE=1) is on" in str(info.value) and "set HF_HUB_OFFLINE=1" not in str(info.value)
+
+
+def test_encoders_train_on_pieces_of_single_documents(tmp_path):
+    """`packing="document"` (the default for bidirectional models): every block is [CLS] + a piece of one document
+    + [SEP], the pieces of a document in order and complete; causal models keep the concatenated blocks."""
+    from datasets import Dataset, DatasetDict
+
+    from performer_hf.training.data import pack
+    from performer_hf.training.loop import _by_document
+
+    tokenizer = tiny_tokenizer("bert")
+    docs = ["the quick brown fox jumps over the lazy dog " * 4, "a short line", "  "]
+    raw = DatasetDict(train=Dataset.from_dict({"text": docs}), validation=Dataset.from_dict({"text": ["x"]}))
+    blocks = pack(raw, tokenizer, 16, "text", by_document=True)["train"]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    ids = [b["input_ids"] for b in blocks]
+    assert all(b[0] == cls and b[-1] == sep and len(b) <= 16 for b in ids)
+    assert [b["special_tokens_mask"] for b in blocks][0] == [1] + [0] * 14 + [1]
+    text_ids = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs[:2]]
+    assert sum((b[1:-1] for b in ids[:-1]), []) == text_ids[0] and ids[-1][1:-1] == text_ids[1]
+    assert len(ids[-1]) < 16  # a document's last piece is short (padded by the collator), never joined to the next
+    with pytest.raises(ValueError, match="no room for text"):
+        pack(raw, tokenizer, 2, "text", by_document=True)
+    assert _by_document(performer_hf.convert(tiny_model("bert")), "auto")
+    assert not _by_document(performer_hf.convert(tiny_model("gpt2")), "auto")
+    assert _by_document(performer_hf.convert(tiny_model("gpt2")), "document")
+

@@ -26,6 +26,9 @@ class FinetuneArgs:
     lora_rank: int = field(default=0, metadata=_help(
         "end-to-end stage: train LoRA adapters of this rank (through peft) on the attention and MLP weights instead of "
         "every weight, merged into the model before it is saved (0: train every weight)"))
+    feature_maps_only: bool = field(default=False, metadata=_help(
+        "end-to-end stage: train only the learned feature maps (projections, far-context weights) on the end-to-end "
+        "loss, every weight of the model frozen: FAVOR learns what the output needs, not only each layer's output"))
     lora_alpha: float = field(default=16.0, metadata=_help("LoRA scaling numerator (scale = alpha / rank)"))
     task: str = field(default="auto", metadata=_help(
         "training objective; auto: masked-lm or causal-lm from the model's head, distillation only for base models",
@@ -54,6 +57,11 @@ class FinetuneArgs:
     text_column: str = field(default="text", metadata=_help("column holding the text"))
     validation_percent: int = field(default=5, metadata=_help("held out from train when no validation data"))
     max_length: int = field(default=128, metadata=_help("tokens per packed training block"))
+    packing: str = field(default="auto", metadata=_help(
+        "how texts become training blocks; concatenate: all texts joined and cut into blocks of --max-length (causal "
+        "LMs); document: each block a piece of one document in the tokenizer's special tokens, short pieces padded "
+        "(what an encoder sees when it embeds a text); auto: document for bidirectional models, concatenate for "
+        "causal ones", choices=["auto", "concatenate", "document"]))
     max_train_samples: int | None = field(default=None, metadata=_help("cap on training blocks (quick runs)"))
     max_eval_samples: int | None = field(default=32, metadata=_help(
         "cap on validation blocks (so the end-of-run evaluation takes seconds)"))
@@ -114,5 +122,8 @@ class FinetuneArgs:
         if self.stage == "attention" and (self.distill or self.lora_rank):
             raise ValueError("--stage attention needs no teacher and trains no LoRA: each layer's target is its own "
                              "softmax output; drop --distill / --lora-rank")
+        if self.feature_maps_only and (self.stage == "attention" or self.lora_rank):
+            raise ValueError("--feature-maps-only is an end-to-end option that trains nothing but the feature maps; "
+                             "drop --stage attention / --lora-rank")
         if self.lora_rank < 0:
             raise ValueError(f"FinetuneArgs.lora_rank must be 0 (off) or positive, got {self.lora_rank}")

@@ -139,23 +139,53 @@ def load_texts(args):
     return raw
 
 
-def pack(raw, tokenizer, max_length: int, text_column: str, num_proc: int | None = None):
-    """Tokenise every text and cut the concatenation into blocks of exactly `max_length` tokens (the remainder of
-    each map batch is dropped), as the Hugging Face language-modelling examples do."""
+def pack(raw, tokenizer, max_length: int, text_column: str, num_proc: int | None = None, by_document: bool = False):
+    """Tokenise every text and cut it into training blocks of at most `max_length` tokens.
+
+    By default the concatenation of all texts is cut into blocks of exactly `max_length` tokens (the remainder of each
+    map batch is dropped), as the Hugging Face language-modelling examples do: right for causal LMs. With
+    `by_document`, each block holds one piece of one document wrapped in the tokenizer's special tokens (`[CLS] ...
+    [SEP]`), the last piece of a document shorter and padded by the collator: what an encoder sees when it embeds a
+    text, so its attention (to [CLS], to [SEP], over padding) is trained as it is used.
+    """
+
+    def real_texts(batch):
+        return [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
 
     def tokenize(batch):
-        texts = [t for t in batch[text_column] if isinstance(t, str) and t.strip()]
-        return tokenizer(texts, return_special_tokens_mask=True)
+        return tokenizer(real_texts(batch), return_special_tokens_mask=True)
 
     def group(batch):
         joined = {k: list(chain.from_iterable(batch[k])) for k in batch}
         total = (len(joined["input_ids"]) // max_length) * max_length
         return {k: [v[i : i + max_length] for i in range(0, total, max_length)] for k, v in joined.items()}
 
+    # the tokenizer's own wrapping of one text ([CLS] ... [SEP], <s> ..., or nothing), read off a probe
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("a")["input_ids"]
+    start = next((i for i in range(len(wrapped)) if wrapped[i:i + len(plain)] == plain), 0)
+    prefix, suffix = wrapped[:start], wrapped[start + len(plain):]
+    room = max_length - len(prefix) - len(suffix)
+    if by_document and room < 1:
+        raise ValueError(f"--max-length {max_length} leaves no room for text between the tokenizer's special tokens")
+
+    def split_documents(batch):
+        rows, special = [], []
+        for doc in tokenizer(real_texts(batch), add_special_tokens=False)["input_ids"]:
+            for i in range(0, len(doc), room):
+                piece = doc[i : i + room]
+                rows.append(prefix + piece + suffix)
+                special.append([1] * len(prefix) + [0] * len(piece) + [1] * len(suffix))
+        return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows], "special_tokens_mask": special}
+
     columns = raw["train"].column_names
-    tokenized = raw.map(tokenize, batched=True, remove_columns=columns, num_proc=num_proc,
-                        desc="tokenising")
-    packed = tokenized.map(group, batched=True, batch_size=1000, num_proc=num_proc, desc=f"packing {max_length}")
+    if by_document:
+        packed = raw.map(split_documents, batched=True, remove_columns=columns, num_proc=num_proc,
+                         desc=f"tokenising, pieces of {max_length}")
+    else:
+        tokenized = raw.map(tokenize, batched=True, remove_columns=columns, num_proc=num_proc, desc="tokenising")
+        packed = tokenized.map(group, batched=True, batch_size=1000, num_proc=num_proc,
+                               desc=f"packing {max_length}")
     if len(packed["train"]) == 0:
         raise ValueError(f"the training data is shorter than one block of {max_length} tokens; add data or lower "
                          "--max-length")

@@ -51,6 +51,14 @@ def _task_of(model, requested: str) -> str:
     return task if task in ("masked-lm", "causal-lm") else "distill-only"
 
 
+def _by_document(model, packing: str) -> bool:
+    """Whether training blocks are pieces of single documents (`FinetuneArgs.packing`): by default for models whose
+    attention is bidirectional (encoders embed one text at a time, [CLS] first)."""
+    if packing != "auto":
+        return packing == "document"
+    return not any(getattr(model.get_submodule(name), "is_causal", False) for name in converted_modules(model))
+
+
 def _load_student(model_or_path, tokenizer):
     from transformers import AutoTokenizer
 
@@ -172,7 +180,7 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
         raise ValueError(f"--max-length {args.max_length} exceeds the {limit} positions of this model's learned "
                          "position table")
     teacher = _load_teacher(model, args) if args.distill else None
-    if args.stage == "attention":
+    if args.stage == "attention" or args.feature_maps_only:
         train_only_feature_maps(model)
     if args.lora_rank:
         model = with_lora(model, args.lora_rank, args.lora_alpha)
@@ -182,7 +190,8 @@ def finetune(model_or_path, args: FinetuneArgs, *, tokenizer=None, callbacks=())
     mark_redraws_applied(model)
 
     with accelerator.main_process_first():
-        packed = pack(load_texts(args), tokenizer, args.max_length, args.text_column)
+        packed = pack(load_texts(args), tokenizer, args.max_length, args.text_column,
+                      by_document=_by_document(model, args.packing))
     train_set, eval_set = packed["train"], packed["validation"]
     if args.max_train_samples:
         train_set = train_set.select(range(min(args.max_train_samples, len(train_set))))
