@@ -24,13 +24,19 @@ import performer_hf
 from performer_hf import fidelity
 
 LEARNED = {"learned_features": True, "per_head_features": True}
-# name: (conversion settings, attention-transfer steps, distillation steps, what it shows)
+HEDGEHOG = {**LEARNED, "kernel": "hedgehog", "num_features": 128}
+# name: (conversion settings, attention-transfer steps, distillation steps, packing of the training text, what it
+# shows). The first arms trained on blocks cut across documents; "document" blocks are [CLS] + one document + [SEP].
 ARMS = {
-    "conversion-only": ({}, 0, 0, "FAVOR+ m=256, random projection, no training"),
-    "distill-150": ({}, 0, 150, "end-to-end distillation only (the previous demo)"),
-    "transfer-300": (LEARNED, 300, 0, "attention transfer of learned per-head features only"),
-    "transfer-300+distill-80": (LEARNED, 300, 80, "the demo recipe (make demo)"),
-    "transfer-600+distill-300": (LEARNED, 600, 300, "the demo recipe, about 3x longer"),
+    "conversion-only": ({}, 0, 0, "concatenate", "FAVOR+ m=256, random projection, no training"),
+    "distill-150": ({}, 0, 150, "concatenate", "end-to-end distillation only (the first demo)"),
+    "transfer-300": (LEARNED, 300, 0, "concatenate", "attention transfer of learned per-head FAVOR+ features only"),
+    "transfer-300+distill-80": (LEARNED, 300, 80, "concatenate", "the second demo's recipe"),
+    "transfer-600+distill-300": (LEARNED, 600, 300, "concatenate", "the second demo's recipe, about 3x longer"),
+    "doc-transfer-300": (LEARNED, 300, 0, "document", "FAVOR+ transfer on single-document blocks"),
+    "hedgehog-transfer-300": (HEDGEHOG, 300, 0, "document", "Hedgehog feature map (m=128), transfer only"),
+    "hedgehog-transfer-300+distill-80": (HEDGEHOG, 300, 80, "document", "the demo recipe (make demo)"),
+    "hedgehog-transfer-600+distill-300": (HEDGEHOG, 600, 300, "document", "the demo recipe, about 3x longer"),
 }
 
 
@@ -53,14 +59,15 @@ def main(argv=None):
         if target.is_file():
             print(f"{name}: already measured ({target})")
             continue
-        settings, transfer, distill, what = ARMS[name]
+        settings, transfer, distill, packing, what = ARMS[name]
         work = args.work / name
         shutil.rmtree(work, ignore_errors=True)
-        model = performer_hf.convert(BertModel.from_pretrained(source).eval(), num_features=256, seed=0, **settings)
+        model = performer_hf.convert(BertModel.from_pretrained(source).eval(), **{"num_features": 256, "seed": 0,
+                                                                                  **settings})
         model.save_pretrained(work / "converted")
         tokenizer.save_pretrained(work / "converted")
         started = time.process_time()
-        stages = recover(work / "converted", work, transfer, distill)
+        stages = recover(work / "converted", work, transfer, distill, packing=packing)
         cpu = (time.process_time() - started) / 60
         final = performer_hf.from_pretrained(str(stages[-1][1])).eval() if stages else model
         tokens = 0
@@ -69,7 +76,7 @@ def main(argv=None):
             tokens += max(r.get("tokens_seen", 0) for r in rows)
         figures = {"arm": name, "what": what, "cosine": embedding_cosine(final, batch, reference),
                    "tokens": tokens, "cpu_minutes": round(cpu, 2), "transfer_steps": transfer,
-                   "distill_steps": distill}
+                   "distill_steps": distill, "packing": packing}
         target.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"{name}: cosine {figures['cosine']:.4f}, {tokens:,} tokens, {cpu:.1f} CPU-min", flush=True)
 

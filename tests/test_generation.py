@@ -15,7 +15,10 @@ def converted(model_type, **kw):
     return performer_hf.convert(tiny_model(model_type), num_features=32, chunk_size=4, **{**PURE, **kw})
 
 
-@pytest.mark.parametrize("local", [PURE, LOCAL], ids=["pure", "local"])
+HEDGEHOG = {"kernel": "hedgehog", "learned_features": True, "per_head_features": True}
+
+
+@pytest.mark.parametrize("local", [PURE, LOCAL, HEDGEHOG], ids=["pure", "local", "hedgehog"])
 @pytest.mark.parametrize("model_type", GENERATIVE)
 def test_recurrent_steps_equal_recomputing_the_whole_sequence(model_type, local):
     model = converted(model_type, **local)
