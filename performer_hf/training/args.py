@@ -40,6 +40,9 @@ class FinetuneArgs:
     task_weight: float = field(default=1.0, metadata=_help("weight of the task loss (MLM / CLM cross-entropy)"))
     kl_weight: float = field(default=1.0, metadata=_help("weight of KL(teacher || student) on the logits"))
     hidden_weight: float = field(default=1.0, metadata=_help("weight of the MSE between hidden states"))
+    embedding_weight: float = field(default=0.0, metadata=_help(
+        "weight of 1 - cosine between the mean-pooled last hidden states of student and teacher (the sentence "
+        "embedding of sentence-transformers models)"))
     distill_layers: str = field(default="all", metadata=_help("hidden states to match", choices=["all", "last"]))
     temperature: float = field(default=1.0, metadata=_help("softmax temperature of the logit distillation"))
     attention_only_steps: int = field(default=0, metadata=_help(
@@ -104,7 +107,7 @@ class FinetuneArgs:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"FinetuneArgs.{name} must be positive, got {value}")
-        for name in ("weight_decay", "max_grad_norm", "task_weight", "kl_weight", "hidden_weight"):
+        for name in ("weight_decay", "max_grad_norm", "task_weight", "kl_weight", "hidden_weight", "embedding_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"FinetuneArgs.{name} must be 0 or more, got {getattr(self, name)}")
         if not 0 <= self.warmup_ratio < 1:

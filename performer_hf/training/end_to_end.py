@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .context import Stage
-from .losses import hidden_mse, logit_kl
+from .losses import embedding_cosine_loss, hidden_mse, logit_kl
 
 
 def with_lora(model, rank: int, alpha: float):
@@ -52,7 +52,8 @@ class EndToEnd(Stage):
         `keep_hidden` returns hidden states even when the loss does not use them (evaluation compares them)."""
         args = self.args
         use_hidden = self.teacher is not None and args.hidden_weight > 0
-        need_hidden = self.teacher is not None and (use_hidden or keep_hidden)
+        use_embedding = self.teacher is not None and args.embedding_weight > 0
+        need_hidden = self.teacher is not None and (use_hidden or use_embedding or keep_hidden)
         labels = batch.get("labels") if self.task != "distill-only" else None
         out = self.model(**self._inputs(batch), labels=labels, output_hidden_states=need_hidden)
         terms, loss, ref = {}, 0.0, None
@@ -72,6 +73,10 @@ class EndToEnd(Stage):
                 mse = hidden_mse(out.hidden_states, ref.hidden_states, mask, args.distill_layers)
                 terms["hidden_loss"] = mse.detach().float().item()
                 loss = loss + args.hidden_weight * mse
+            if use_embedding:
+                cos = embedding_cosine_loss(out.hidden_states[-1], ref.hidden_states[-1], mask)
+                terms["embedding_loss"] = cos.detach().float().item()
+                loss = loss + args.embedding_weight * cos
         if not torch.is_tensor(loss):
             raise ValueError("every loss weight is zero: nothing to train")
         return loss, terms, out, ref

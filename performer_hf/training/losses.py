@@ -31,3 +31,14 @@ def hidden_mse(student_states, teacher_states, mask: torch.Tensor, layers: str =
         scale = (t**2 * weights).sum() / (weights.sum() * t.shape[-1]).clamp_min(1)
         total = total + err / scale.clamp_min(1e-6)
     return total / len(pairs)
+
+
+def embedding_cosine_loss(student_last: torch.Tensor, teacher_last: torch.Tensor, mask: torch.Tensor):
+    """Mean over the batch of 1 - cosine between the mean-pooled last hidden states of real tokens: the sentence
+    embedding a sentence-transformers model takes (mean pooling; the normalisation after it does not change a
+    cosine)."""
+    weights = mask.to(torch.float32).unsqueeze(-1)
+    count = weights.sum(1).clamp_min(1)
+    student = (student_last.float() * weights).sum(1) / count
+    teacher = (teacher_last.float() * weights).sum(1) / count
+    return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
