@@ -26,10 +26,10 @@ class FinetuneArgs:
     lora_rank: int = field(default=0, metadata=_help(
         "end-to-end stage: train LoRA adapters of this rank (through peft) on the attention and MLP weights instead of "
         "every weight, merged into the model before it is saved (0: train every weight)"))
+    lora_alpha: float = field(default=16.0, metadata=_help("LoRA scaling numerator (scale = alpha / rank)"))
     feature_maps_only: bool = field(default=False, metadata=_help(
         "end-to-end stage: train only the learned feature maps (projections, far-context weights) on the end-to-end "
         "loss, every weight of the model frozen: FAVOR learns what the output needs, not only each layer's output"))
-    lora_alpha: float = field(default=16.0, metadata=_help("LoRA scaling numerator (scale = alpha / rank)"))
     task: str = field(default="auto", metadata=_help(
         "training objective; auto: masked-lm or causal-lm from the model's head, distillation only for base models",
         choices=["auto", "masked-lm", "causal-lm", "distill-only"]))

@@ -139,6 +139,15 @@ def load_texts(args):
     return raw
 
 
+def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after one text ([CLS] / [SEP], <s> / none, or none), read off
+    a probe: transformers 5 tokenizers have no public call that wraps token ids already split."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("a")["input_ids"]
+    start = next((i for i in range(len(wrapped)) if wrapped[i : i + len(plain)] == plain), 0)
+    return wrapped[:start], wrapped[start + len(plain) :]
+
+
 def pack(raw, tokenizer, max_length: int, text_column: str, num_proc: int | None = None, by_document: bool = False):
     """Tokenise every text and cut it into training blocks of at most `max_length` tokens.
 
@@ -160,11 +169,7 @@ def pack(raw, tokenizer, max_length: int, text_column: str, num_proc: int | None
         total = (len(joined["input_ids"]) // max_length) * max_length
         return {k: [v[i : i + max_length] for i in range(0, total, max_length)] for k, v in joined.items()}
 
-    # the tokenizer's own wrapping of one text ([CLS] ... [SEP], <s> ..., or nothing), read off a probe
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    wrapped = tokenizer("a")["input_ids"]
-    start = next((i for i in range(len(wrapped)) if wrapped[i:i + len(plain)] == plain), 0)
-    prefix, suffix = wrapped[:start], wrapped[start + len(plain):]
+    prefix, suffix = _special_wrapping(tokenizer)
     room = max_length - len(prefix) - len(suffix)
     if by_document and room < 1:
         raise ValueError(f"--max-length {max_length} leaves no room for text between the tokenizer's special tokens")
