@@ -169,22 +169,24 @@ def pack(raw, tokenizer, max_length: int, text_column: str, num_proc: int | None
         total = (len(joined["input_ids"]) // max_length) * max_length
         return {k: [v[i : i + max_length] for i in range(0, total, max_length)] for k, v in joined.items()}
 
-    prefix, suffix = _special_wrapping(tokenizer)
-    room = max_length - len(prefix) - len(suffix)
-    if by_document and room < 1:
-        raise ValueError(f"--max-length {max_length} leaves no room for text between the tokenizer's special tokens")
-
-    def split_documents(batch):
-        rows, special = [], []
-        for doc in tokenizer(real_texts(batch), add_special_tokens=False)["input_ids"]:
-            for i in range(0, len(doc), room):
-                piece = doc[i : i + room]
-                rows.append(prefix + piece + suffix)
-                special.append([1] * len(prefix) + [0] * len(piece) + [1] * len(suffix))
-        return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows], "special_tokens_mask": special}
-
     columns = raw["train"].column_names
     if by_document:
+        prefix, suffix = _special_wrapping(tokenizer)
+        room = max_length - len(prefix) - len(suffix)
+        if room < 1:
+            raise ValueError(f"--max-length {max_length} leaves no room for text between the tokenizer's special "
+                             "tokens")
+
+        def split_documents(batch):
+            rows, special = [], []
+            for doc in tokenizer(real_texts(batch), add_special_tokens=False)["input_ids"]:
+                for i in range(0, len(doc), room):
+                    piece = doc[i : i + room]
+                    rows.append(prefix + piece + suffix)
+                    special.append([1] * len(prefix) + [0] * len(piece) + [1] * len(suffix))
+            return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows],
+                    "special_tokens_mask": special}
+
         packed = raw.map(split_documents, batched=True, remove_columns=columns, num_proc=num_proc,
                          desc=f"tokenising, pieces of {max_length}")
     else:
