@@ -60,8 +60,9 @@ def test_language_model_loss_falls(tmp_path, model_type, task):
     assert performer_hf.is_converted(again)
 
 
-def test_distillation_brings_a_base_model_back_to_its_teacher(tmp_path):
-    # larger weights than the default init: attention that matters and is peaked, as in pretrained models
+def peaked_encoder_and_fidelity(tmp_path):
+    """A converted tiny BertModel with peaked attention (larger weights than the default init, as in pretrained
+    models) and a function giving a saved student's fidelity figures to its teacher on held-out sentences."""
     model_dir = converted_dir(tmp_path, "bert", head="BertModel", num_features=8, init_range=0.25)
     teacher = _load(str(tmp_path / "src-bert")).eval()
     from transformers import AutoTokenizer
@@ -69,14 +70,18 @@ def test_distillation_brings_a_base_model_back_to_its_teacher(tmp_path):
     batch = fidelity.encode(AutoTokenizer.from_pretrained(model_dir), fidelity.builtin_sentences())
     reference = fidelity.outputs(teacher, batch)
 
-    def cosine(path):
+    def figures(path):
         student = performer_hf.from_pretrained(path).eval()
-        return fidelity.compare(reference, fidelity.outputs(student, batch), batch["attention_mask"],
-                                is_lm=False)["token_cosine"]
+        return fidelity.compare(reference, fidelity.outputs(student, batch), batch["attention_mask"], is_lm=False)
 
-    before = cosine(model_dir)
+    return model_dir, figures
+
+
+def test_distillation_brings_a_base_model_back_to_its_teacher(tmp_path):
+    model_dir, figures = peaked_encoder_and_fidelity(tmp_path)
+    before = figures(model_dir)["token_cosine"]
     result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), distill=True, max_steps=30, **QUICK))
-    after = cosine(str(tmp_path / "ft"))
+    after = figures(str(tmp_path / "ft"))["token_cosine"]
     assert after > before + 0.02, (before, after)  # measured on held-out sentences, not the training corpus
     assert result["eval_hidden_cosine_to_teacher"] > 0.9
     seen = losses(tmp_path / "ft")
@@ -86,24 +91,14 @@ def test_distillation_brings_a_base_model_back_to_its_teacher(tmp_path):
 def test_embedding_loss_alone_brings_sentence_embeddings_back(tmp_path):
     """`embedding_weight` alone (no hidden-state term): 1 - cosine of the mean-pooled embeddings is logged and falls,
     and the held-out sentence-embedding cosine rises."""
-    model_dir = converted_dir(tmp_path, "bert", head="BertModel", num_features=8, init_range=0.25)
-    teacher = _load(str(tmp_path / "src-bert")).eval()
-    from transformers import AutoTokenizer
-
-    batch = fidelity.encode(AutoTokenizer.from_pretrained(model_dir), fidelity.builtin_sentences())
-    reference = fidelity.outputs(teacher, batch)
-
-    def cosine(path):
-        student = performer_hf.from_pretrained(path).eval()
-        return fidelity.compare(reference, fidelity.outputs(student, batch), batch["attention_mask"],
-                                is_lm=False)["embedding_cosine"]
-
+    model_dir, figures = peaked_encoder_and_fidelity(tmp_path)
     finetune(model_dir, FinetuneArgs(out=str(tmp_path / "ft"), distill=True, hidden_weight=0.0, embedding_weight=1.0,
                                      max_steps=30, **QUICK))
     rows = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     terms = [r["embedding_loss"] for r in rows if "loss" in r]
     assert "hidden_loss" not in rows[0] and sum(terms[-5:]) < 0.8 * sum(terms[:5]), terms
-    assert cosine(str(tmp_path / "ft")) > cosine(model_dir) + 0.02  # measured 0.914 -> 0.953
+    before, after = (figures(path)["embedding_cosine"] for path in (model_dir, str(tmp_path / "ft")))
+    assert after > before + 0.02, (before, after)  # measured 0.914 -> 0.953
 
 
 def test_logit_distillation_for_an_lm_head(tmp_path):
