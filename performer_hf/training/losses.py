@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..fidelity import mean_pooled
+
 
 def logit_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0):
     """Mean over real tokens of KL(teacher || student) on temperature-softened distributions, times T^2."""
@@ -34,11 +36,7 @@ def hidden_mse(student_states, teacher_states, mask: torch.Tensor, layers: str =
 
 
 def embedding_cosine_loss(student_last: torch.Tensor, teacher_last: torch.Tensor, mask: torch.Tensor):
-    """Mean over the batch of 1 - cosine between the mean-pooled last hidden states of real tokens: the sentence
-    embedding a sentence-transformers model takes (mean pooling; the normalisation after it does not change a
-    cosine)."""
-    weights = mask.to(torch.float32).unsqueeze(-1)
-    count = weights.sum(1).clamp_min(1)
-    student = (student_last.float() * weights).sum(1) / count
-    teacher = (teacher_last.float() * weights).sum(1) / count
-    return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
+    """Mean over the batch of 1 - cosine between the sentence embeddings (`fidelity.mean_pooled`, the pooling of
+    sentence-transformers models) of the last hidden states."""
+    student, teacher = (mean_pooled(h.float(), mask) for h in (student_last, teacher_last))
+    return (1 - (student * teacher).sum(-1)).mean()
