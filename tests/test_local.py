@@ -114,8 +114,10 @@ def test_per_head_projections_and_gradients():
 
 def test_kernels_that_do_not_estimate_softmax_are_refused():
     q, k, v = qkv(length=8)
-    with pytest.raises(ValueError, match="cannot share a normaliser"):
-        run(True, q, k, v, projection(), kernel="relu", sink_tokens=1, local_window=2)
+    for kernel in ("relu", "hedgehog"):  # hedgehog: normalised per token, no softmax scale
+        for causal in (True, False):
+            with pytest.raises(ValueError, match="cannot share a normaliser"):
+                run(causal, q, k, v, projection(), kernel=kernel, sink_tokens=1, local_window=2)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])

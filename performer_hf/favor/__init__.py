@@ -5,6 +5,7 @@ from .features import (
     KERNELS,
     LEARNED_ONLY_KERNELS,
     POSITIVE_KERNELS,
+    WINDOW_KERNELS,
     exp_logits,
     favor_plus_plus_a,
     favor_plus_plus_a_from_moments,
@@ -26,6 +27,6 @@ __all__ = [
     "LocalState", "causal_favor_attention", "causal_local_attention", "local_attention", "draw_projection",
     "favor_attention", "favor_plus_plus_a", "favor_plus_plus_a_from_moments", "favor_plus_plus_features",
     "favor_step", "feature_map", "hadamard_matrix", "hedgehog_features", "hyperbolic_features",
-    "LEARNED_ONLY_KERNELS", "materialize", "positive_features",
+    "LEARNED_ONLY_KERNELS", "WINDOW_KERNELS", "materialize", "positive_features",
     "relu_features", "trig_features",
 ]

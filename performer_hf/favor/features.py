@@ -37,6 +37,9 @@ def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 EXP_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
+# the maps that estimate exp(q.k) itself, scale included, so their terms can share a normaliser with exact softmax
+# weights (sinks, local window); hedgehog's features are normalised per token and cannot
+WINDOW_KERNELS = ("favor+", "hyperbolic", "favor++")
 
 
 def exp_logits(

@@ -19,8 +19,8 @@ sums are on one scale; each query row is stabilised by the largest log-term of e
   difference is a sum of positive terms up to rounding; it is clamped at zero).
 
 Sinks are the first S *real* tokens of each row (by rank among unpadded tokens), so left and right padding never
-change the outputs of real tokens. Only the exponential kernels (favor+, hyperbolic, favor++, and hedgehog once trained)
-estimate exp(q.k) and can share a normaliser with exact weights.
+change the outputs of real tokens. Only the kernels that estimate exp(q.k) with its scale (favor+, hyperbolic, favor++:
+`WINDOW_KERNELS`) can share a normaliser with exact weights.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .features import EXP_KERNELS, exp_logits
+from .features import WINDOW_KERNELS, exp_logits
 from .kernel import (
     FavorState,
     _accumulate,
@@ -85,9 +85,10 @@ class LocalState:
 
 
 def check_local(kernel: str, sink_tokens: int, local_window: int) -> None:
-    if (sink_tokens or local_window) and kernel not in EXP_KERNELS:
+    if (sink_tokens or local_window) and kernel not in WINDOW_KERNELS:
         raise ValueError(f"sink_tokens and local_window need a kernel that estimates exp(q.k) "
-                         f"({', '.join(EXP_KERNELS)}); {kernel!r} cannot share a normaliser with exact softmax weights")
+                         f"({', '.join(WINDOW_KERNELS)}); {kernel!r} cannot share a normaliser with exact softmax "
+                         "weights")
 
 
 def _query_terms(fmap, q, favor_bias=None):
