@@ -88,13 +88,10 @@ class PerformerConfig:
                                  f"got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"PerformerConfig.seed must be an integer, got {self.seed!r}")
-        if self.kernel in LEARNED_ONLY_KERNELS and (self.sink_tokens or self.local_window):
-            raise ValueError(f"PerformerConfig: kernel={self.kernel!r} gives normalised features with no softmax scale "
-                             "to share a normaliser with exact weights, so it runs without sinks or a window; set "
-                             "sink_tokens=0 and local_window=0, or use favor+ with learned_features=True")
         if (self.sink_tokens or self.local_window) and self.kernel not in WINDOW_KERNELS:
-            raise ValueError(f"PerformerConfig: sink_tokens and local_window need a kernel that estimates softmax "
-                             f"weights ({', '.join(WINDOW_KERNELS)}), got kernel={self.kernel!r}")
+            raise ValueError(f"PerformerConfig: sink_tokens and local_window need a kernel that can share a "
+                             f"normaliser with exact softmax weights ({', '.join(WINDOW_KERNELS)}), got "
+                             f"kernel={self.kernel!r}; set sink_tokens=0 and local_window=0")
         if self.kernel in LEARNED_ONLY_KERNELS and not self.learned_features:
             raise ValueError(f"PerformerConfig: kernel={self.kernel!r} is a learned feature map (no estimate of "
                              "softmax until trained); set learned_features=True (--learned-features) and train it with "
@@ -104,7 +101,7 @@ class PerformerConfig:
 
     def resolved(self, causal: bool) -> PerformerConfig:
         """These settings with `None` sink_tokens / local_window replaced by the defaults for causal or
-        bidirectional models (a causal model with a relu, trig or hedgehog kernel gets none)."""
+        bidirectional models (a causal model with a relu or trig kernel gets none)."""
         defaults = CAUSAL_DEFAULTS if causal and self.kernel in WINDOW_KERNELS else BIDIRECTIONAL_DEFAULTS
         return dataclasses.replace(self, **{k: v if getattr(self, k) is None else getattr(self, k)
                                             for k, v in defaults.items()})

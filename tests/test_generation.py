@@ -18,7 +18,8 @@ def converted(model_type, **kw):
 HEDGEHOG = {"kernel": "hedgehog", "learned_features": True, "per_head_features": True}
 
 
-@pytest.mark.parametrize("local", [PURE, LOCAL, HEDGEHOG], ids=["pure", "local", "hedgehog"])
+@pytest.mark.parametrize("local", [PURE, LOCAL, HEDGEHOG, {**HEDGEHOG, **LOCAL}],
+                         ids=["pure", "local", "hedgehog", "hedgehog-local"])
 @pytest.mark.parametrize("model_type", GENERATIVE)
 def test_recurrent_steps_equal_recomputing_the_whole_sequence(model_type, local):
     model = converted(model_type, **local)

@@ -114,10 +114,73 @@ def test_per_head_projections_and_gradients():
 
 def test_kernels_that_do_not_estimate_softmax_are_refused():
     q, k, v = qkv(length=8)
-    for kernel in ("relu", "hedgehog"):  # hedgehog: normalised per token, no softmax scale
+    for kernel in ("relu", "trig"):
         for causal in (True, False):
-            with pytest.raises(ValueError, match="cannot share a normaliser"):
+            with pytest.raises(ValueError, match="relu|trig.*cannot"):
                 run(causal, q, k, v, projection(), kernel=kernel, sink_tokens=1, local_window=2)
+
+
+def anchored_reference(q, k, v, w, sinks, window, causal, mask, bias):
+    """Hedgehog beside exact weights, written out: exp(q.k) on the exact set; elsewhere exp(a_i + b_h) phi(q).phi(k)
+    with phi = softmax([Wx, -Wx]) and a_i the row's largest exact logit."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    length, dim = q.shape[2], q.shape[-1]
+    qs, ks = q * dim**-0.25, k * dim**-0.25
+    logits = qs @ ks.transpose(-1, -2)
+    phi = lambda x: torch.cat([x @ w.T, -(x @ w.T)], -1).softmax(-1)  # noqa: E731
+    favor = phi(qs) @ phi(ks).transpose(-1, -2)
+    rank = mask.long().cumsum(-1) - 1
+    is_sink = mask & (rank < sinks)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool)
+    band = (j > i - window) & visible if causal else (i - j).abs() < window
+    in_exact = (band[None] | is_sink[:, None, :]) & visible[None] & mask[:, None, :]
+    in_favor = visible[None] & mask[:, None, :] & ~in_exact
+    anchor = logits.masked_fill(~in_exact[:, None], float("-inf")).amax(-1, keepdim=True)
+    far = favor * (anchor + bias[:, None, None]).exp()
+    weights = torch.where(in_exact[:, None], logits.exp(), 0) + torch.where(in_favor[:, None], far, 0)
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("sinks, window", [(0, 1), (2, 5), (3, 0), (4, 9)])
+def test_hedgehog_terms_are_anchored_to_the_rows_largest_exact_logit(causal, sinks, window):
+    q, k, v = qkv(norm=2.0)
+    w = projection()
+    bias = torch.tensor([0.3, -0.5, 1.0, 0.0], dtype=torch.float64)  # per head
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :6] = False
+    out = run(causal, q, k, v, w, kernel="hedgehog", sink_tokens=sinks, local_window=window, key_padding_mask=mask,
+              favor_bias=bias)
+    ref = anchored_reference(q, k, v, w, sinks, window, causal, mask, bias)
+    real = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
+    # the far context matters: dropping it changes the outputs
+    alone = run(causal, q, k, v, w, kernel="hedgehog", sink_tokens=sinks, local_window=window,
+                key_padding_mask=mask, favor=False)
+    assert (out - alone)[real].abs().max() > 1e-2
+
+
+def test_hedgehog_with_a_window_steps_equal_one_call_and_has_exact_gradients():
+    q, k, v = qkv(length=30)
+    w = projection()
+    settings = dict(projection=w, kernel="hedgehog", sink_tokens=2, local_window=5, chunk_size=4)
+    whole, state = causal_local_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], **settings)
+    outs = [whole]
+    for t in range(9, 30):
+        out, state = causal_local_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state=state,
+                                            **settings)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 2), causal_local_attention(q, k, v, **settings)[0],
+                               rtol=1e-12, atol=1e-12)
+    q, k, v = qkv(batch=1, length=12, norm=1.0)
+    w = torch.stack([projection(seed=s) for s in range(4)]).requires_grad_(True)
+    bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    for causal in (True, False):
+        assert torch.autograd.gradcheck(
+            lambda p, b, c=causal: run(c, q, k, v, p, kernel="hedgehog", sink_tokens=1, local_window=3, favor_bias=b),
+            (w, bias))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])

@@ -23,8 +23,9 @@ def projections(model):
 
 
 @pytest.mark.parametrize("model_type, local, kernel", [("llama", LOCAL, "favor+"), ("bert", PURE, "favor+"),
-                                                      ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog")],
-                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog"])
+                                                      ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog"),
+                                                      ("llama", LOCAL, "hedgehog")],
+                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog"])
 def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel):
     # peaked attention (large init), where random features start far from softmax
     model_dir = converted_dir(tmp_path, model_type, init_range=0.3, learned_features=True, per_head_features=True,
@@ -53,13 +54,14 @@ def test_attention_transfer_needs_learned_features(tmp_path):
         finetune(model_dir, FinetuneArgs(out=str(tmp_path / "at"), stage="attention", max_steps=2, **QUICK))
 
 
-def test_hedgehog_needs_learned_features_and_runs_without_a_window():
+def test_hedgehog_needs_learned_features_and_takes_the_causal_default_window():
     with pytest.raises(ValueError, match="kernel='hedgehog' is a learned feature map"):
         performer_hf.convert(tiny_model("bert"), kernel="hedgehog")
-    with pytest.raises(ValueError, match="set sink_tokens=0 and local_window=0"):
-        performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True, local_window=8)
-    model = performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True)
-    assert not performer_hf.performer_settings(model.config).is_local  # the causal default window is not applied
+    with pytest.raises(ValueError, match="kernel='relu'; set sink_tokens=0 and local_window=0"):
+        performer_hf.convert(tiny_model("llama"), kernel="relu", local_window=8)
+    settings = performer_hf.performer_settings(
+        performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True).config)
+    assert (settings.sink_tokens, settings.local_window) == (4, 128)
 
 
 def test_feature_maps_only_end_to_end_trains_nothing_else(tmp_path):

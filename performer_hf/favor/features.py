@@ -37,9 +37,11 @@ def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 EXP_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
-# the maps that estimate exp(q.k) itself, scale included, so their terms can share a normaliser with exact softmax
-# weights (sinks, local window); hedgehog's features are normalised per token and cannot
-WINDOW_KERNELS = ("favor+", "hyperbolic", "favor++")
+# the maps that can run beside exact softmax weights (sinks, local window): favor+, hyperbolic and favor++ estimate
+# exp(q.k) itself, scale included; hedgehog's features are normalised per token, so its terms are anchored to each
+# query's largest exact logit (ANCHORED_KERNELS, see favor.local)
+WINDOW_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
+ANCHORED_KERNELS = ("hedgehog",)
 
 
 def exp_logits(

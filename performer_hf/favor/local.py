@@ -19,8 +19,14 @@ sums are on one scale; each query row is stabilised by the largest log-term of e
   difference is a sum of positive terms up to rounding; it is clamped at zero).
 
 Sinks are the first S *real* tokens of each row (by rank among unpadded tokens), so left and right padding never
-change the outputs of real tokens. Only the kernels that estimate exp(q.k) with its scale (favor+, hyperbolic, favor++:
-`WINDOW_KERNELS`) can share a normaliser with exact weights.
+change the outputs of real tokens. The kernels that estimate exp(q.k) with its scale (favor+, hyperbolic, favor++) share
+the normaliser as written above. A learned map whose features are normalised per token (hedgehog: `ANCHORED_KERNELS`)
+has no such scale; its terms are anchored to the row instead, as LoLCATs combines a window with linear attention:
+
+    phi(q_i).phi(k_j) is worth exp(a_i + b_h) phi(q_i).phi(k_j),  a_i = max over E_i of q.k_j
+
+so that, divided by exp(a_i), the exact weights are exp(q.k_j - a_i) <= 1 and the far context is weighted by a learned
+per-head exp(b_h) (`favor_bias`). a_i depends only on keys query i sees exactly: causal outputs stay prefix-invariant.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .features import WINDOW_KERNELS, exp_logits
+from .features import ANCHORED_KERNELS, WINDOW_KERNELS, exp_logits
 from .kernel import (
     FavorState,
     _accumulate,
@@ -86,26 +92,41 @@ class LocalState:
 
 def check_local(kernel: str, sink_tokens: int, local_window: int) -> None:
     if (sink_tokens or local_window) and kernel not in WINDOW_KERNELS:
-        raise ValueError(f"sink_tokens and local_window need a kernel that estimates exp(q.k) "
-                         f"({', '.join(WINDOW_KERNELS)}); {kernel!r} cannot share a normaliser with exact softmax "
-                         "weights")
+        raise ValueError(f"sink_tokens and local_window need a kernel that can share a normaliser with exact "
+                         f"softmax weights ({', '.join(WINDOW_KERNELS)}); {kernel!r} cannot")
 
 
 def _query_terms(fmap, q, favor_bias=None):
     """Query features as `(base, log_scale)` with phi(q) = base * exp(log_scale), the 1/m' of phi(q).phi(k)
-    included in log_scale (in plain FAVOR it cancels; here it must not), plus a per-head `favor_bias` (H,)."""
+    included in log_scale for the estimators of exp(q.k) (in plain FAVOR it cancels; here it must not), plus a
+    per-head `favor_bias` (H,)."""
     q = fmap._scaled(q)
     u, offset = exp_logits(q, fmap.projection, fmap.kernel, fmap.a)  # (B, H, C, m'), (B, H, C)
     top = u.detach().amax(dim=-1)
-    log_scale = top - offset - math.log(u.shape[-1])
+    log_scale = top - offset
+    if fmap.kernel not in ANCHORED_KERNELS:
+        log_scale = log_scale - math.log(u.shape[-1])
     if favor_bias is not None:
         log_scale = log_scale + favor_bias.to(log_scale.dtype)[:, None]
     return (u - top.unsqueeze(-1)).exp(), log_scale
 
 
-def _combine(exact_logits, exact_v1, favor1, favor_log_scale):
+def _row_anchor(exact_logits) -> torch.Tensor:
+    """a_i: each query's largest exact logit (B, H, C); 0 for a row with none (only padded queries have none)."""
+    anchor = None
+    for logits in exact_logits:
+        if logits.shape[-1]:
+            top = logits.amax(dim=-1)
+            anchor = top if anchor is None else torch.maximum(anchor, top)
+    return _finite_or(anchor, 0.0)
+
+
+def _combine(exact_logits, exact_v1, favor1, favor_log_scale, anchored=False):
     """Exact terms (lists of `(B, H, C, K)` logits, -inf where not allowed, and their `(B, H, K, Dv + 1)` values)
-    plus FAVOR sums `favor1` (B, H, C, Dv + 1) worth exp(favor_log_scale) each, in one normaliser."""
+    plus FAVOR sums `favor1` (B, H, C, Dv + 1) worth exp(favor_log_scale) each, in one normaliser; `anchored`
+    also multiplies the FAVOR terms by exp(a_i) (see the module docstring)."""
+    if anchored:
+        favor_log_scale = favor_log_scale + _row_anchor(exact_logits)
     favor_den = favor1[..., -1].clamp_min(0)
     favor_log = torch.where(favor_den > 0, favor_den.clamp_min(1e-30).log() + favor_log_scale, float("-inf"))
     top = favor_log
@@ -250,7 +271,8 @@ def causal_local_attention(
         v1 = _values(all_v[:, :, leaving], fmap.key_rep, fmap.dtype)
         scores = torch.tril(fmap.times_sums(q_base, k_feat.transpose(-1, -2)), diagonal=lag - local_window)
         favor1 = fmap.times_sums(scores, v1) + fmap.times_sums(q_base, kv1)  # (B, H, c, Dv + 1)
-        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1)))
+        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1),
+                                    anchored=fmap.kernel in ANCHORED_KERNELS))
         kv1, running_max = kv1 + k_feat.transpose(-1, -2) @ v1, new_max
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
     keep = slice(all_k.shape[2] - lag, all_k.shape[2])
@@ -322,5 +344,6 @@ def local_attention(
         band_favor = (fmap.times_sums(q_base, k_feat.transpose(-1, -2)) * in_band) @ values[0]
         favor1 = fmap.times_sums(q_base, kv1) - band_favor  # the band's FAVOR terms taken out of the total
         favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0)
-        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1)))
+        outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1),
+                                    anchored=fmap.kernel in ANCHORED_KERNELS))
     return torch.cat(outputs, dim=2).to(q.dtype)
