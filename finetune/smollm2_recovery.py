@@ -37,6 +37,7 @@ LOCAL = {"sink_tokens": 4, "local_window": 128}
 LEARNED = {"learned_features": True, "per_head_features": True}
 # a learned Hedgehog map beyond the window (LoLCATs' combination): m=64 per head, 128 features for head dim 64
 HEDGEHOG = {**LEARNED, "kernel": "hedgehog", "num_features": 64}
+HEDGEHOG_TRANSFER = ("attention", {"learning_rate": 3e-2})
 
 # name: (conversion settings, training stages [(stage name, FinetuneArgs overrides)], what it shows)
 ARMS = {
@@ -46,8 +47,12 @@ ARMS = {
     "window+favor+transfer": ({**LOCAL, **LEARNED}, [("attention", {})], "+ attention transfer of learned features"),
     "window+favor+transfer+e2e": ({**LOCAL, **LEARNED}, [("attention", {}), ("end-to-end", {})],
                                   "+ end-to-end logit distillation, all weights"),
-    "window+hedgehog+transfer": ({**LOCAL, **HEDGEHOG}, [("attention", {"learning_rate": 3e-2})],
+    "window+hedgehog+transfer": ({**LOCAL, **HEDGEHOG}, [HEDGEHOG_TRANSFER],
                                  "sinks + window, learned hedgehog map beyond it, attention transfer"),
+    "window+hedgehog+transfer+e2e": ({**LOCAL, **HEDGEHOG}, [HEDGEHOG_TRANSFER, ("end-to-end", {})],
+                                     "+ end-to-end logit distillation, all weights"),
+    "pure-hedgehog+transfer": ({**PURE, **HEDGEHOG}, [HEDGEHOG_TRANSFER],
+                               "pure learned hedgehog map (no window), attention transfer"),
     "window-only+e2e": ({**LOCAL, "favor_beyond_window": False}, [("end-to-end", {})],
                         "sinks + window alone, the same end-to-end stage (the fair comparison for FAVOR)"),
     "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
