@@ -21,22 +21,28 @@ def projection(m=16, dim=8, seed=0, dtype=torch.float64):
     return draw_projection(m, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def reference(q, k, v, w, sinks, window, causal, mask):
-    """Every weight written out: exp(q.k) on the exact set, phi(q).phi(k) elsewhere, one normaliser."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    length, dim, m = q.shape[2], q.shape[-1], w.shape[0]
-    qs, ks = q * dim**-0.25, k * dim**-0.25
-    exact = torch.exp(qs @ ks.transpose(-1, -2))
-    phi = lambda x: torch.exp(x @ w.T - (x**2).sum(-1, keepdim=True) / 2) / math.sqrt(m)  # noqa: E731
-    favor = phi(qs) @ phi(ks).transpose(-1, -2)
+def key_sets(mask, sinks, window, causal):
+    """(B, L, L) masks of the keys each query sees exactly (sinks, window) and through the feature map."""
+    length = mask.shape[-1]
     rank = mask.long().cumsum(-1) - 1
     is_sink = mask & (rank < sinks)
     i, j = torch.arange(length)[:, None], torch.arange(length)[None]
     visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool)
     band = (j > i - window) & visible if causal else (i - j).abs() < window
     in_exact = (band[None] | is_sink[:, None, :]) & visible[None] & mask[:, None, :]
-    in_favor = visible[None] & mask[:, None, :] & ~in_exact
+    return in_exact, visible[None] & mask[:, None, :] & ~in_exact
+
+
+def reference(q, k, v, w, sinks, window, causal, mask):
+    """Every weight written out: exp(q.k) on the exact set, phi(q).phi(k) elsewhere, one normaliser."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    dim, m = q.shape[-1], w.shape[0]
+    qs, ks = q * dim**-0.25, k * dim**-0.25
+    exact = torch.exp(qs @ ks.transpose(-1, -2))
+    phi = lambda x: torch.exp(x @ w.T - (x**2).sum(-1, keepdim=True) / 2) / math.sqrt(m)  # noqa: E731
+    favor = phi(qs) @ phi(ks).transpose(-1, -2)
+    in_exact, in_favor = key_sets(mask, sinks, window, causal)
     weights = torch.where(in_exact[:, None], exact, 0) + torch.where(in_favor[:, None], favor, 0)
     return (weights @ v) / weights.sum(-1, keepdim=True)
 
@@ -125,18 +131,12 @@ def anchored_reference(q, k, v, w, sinks, window, causal, mask, bias):
     with phi = softmax([Wx, -Wx]) and a_i the row's largest exact logit."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    length, dim = q.shape[2], q.shape[-1]
+    dim = q.shape[-1]
     qs, ks = q * dim**-0.25, k * dim**-0.25
     logits = qs @ ks.transpose(-1, -2)
     phi = lambda x: torch.cat([x @ w.T, -(x @ w.T)], -1).softmax(-1)  # noqa: E731
     favor = phi(qs) @ phi(ks).transpose(-1, -2)
-    rank = mask.long().cumsum(-1) - 1
-    is_sink = mask & (rank < sinks)
-    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
-    visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool)
-    band = (j > i - window) & visible if causal else (i - j).abs() < window
-    in_exact = (band[None] | is_sink[:, None, :]) & visible[None] & mask[:, None, :]
-    in_favor = visible[None] & mask[:, None, :] & ~in_exact
+    in_exact, in_favor = key_sets(mask, sinks, window, causal)
     anchor = logits.masked_fill(~in_exact[:, None], float("-inf")).amax(-1, keepdim=True)
     far = favor * (anchor + bias[:, None, None]).exp()
     weights = torch.where(in_exact[:, None], logits.exp(), 0) + torch.where(in_favor[:, None], far, 0)
