@@ -37,10 +37,10 @@ def _half_sq_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 EXP_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
-# the maps that can run beside exact softmax weights (sinks, local window): favor+, hyperbolic and favor++ estimate
-# exp(q.k) itself, scale included; hedgehog's features are normalised per token, so its terms are anchored to each
-# query's largest exact logit (ANCHORED_KERNELS, see favor.local)
-WINDOW_KERNELS = ("favor+", "hyperbolic", "favor++", "hedgehog")
+# the maps that can run beside exact softmax weights (sinks, local window) are the exponential ones: favor+, hyperbolic
+# and favor++ estimate exp(q.k) itself, scale included; hedgehog's features are normalised per token, so its terms are
+# anchored to each query's largest exact logit (ANCHORED_KERNELS, see favor.local)
+WINDOW_KERNELS = EXP_KERNELS
 ANCHORED_KERNELS = ("hedgehog",)
 
 
