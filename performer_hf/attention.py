@@ -88,6 +88,8 @@ class FavorAttention(nn.Module):
             self.projection = nn.Parameter(projection)
         else:
             self.register_buffer("projection", projection)
+        if config.feature_bias:  # hedgehog's biases, queries then keys: (2, m) or per head (2, H, m)
+            self.feature_bias = nn.Parameter(torch.zeros(2, *projection.shape[:-1], device=device))
         if self.learned and self.is_local:  # per head, log-weight of the FAVOR terms against the exact ones
             self.favor_bias = nn.Parameter(torch.zeros(num_heads, device=device))
         if self.kernel == "favor++":  # filled by calibration at conversion, saved with the model
@@ -123,7 +125,8 @@ class FavorAttention(nn.Module):
     def forward(self, query, key, value, *, causal: bool, key_padding_mask=None, scale=None, state=None):
         """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) -> (B, H, Lq, D) and, in causal mode, the new recurrent state."""
         common = dict(projection=self.projection, kernel=self.kernel, key_padding_mask=key_padding_mask,
-                      scale=scale, a=self._favor_a(), chunk_size=self.chunk_size)
+                      scale=scale, a=self._favor_a(), chunk_size=self.chunk_size,
+                      feature_bias=getattr(self, "feature_bias", None))
         local = dict(sink_tokens=self.sink_tokens, local_window=self.local_window, favor=self.favor_beyond_window,
                      favor_bias=getattr(self, "favor_bias", None))
         if causal:
@@ -162,6 +165,7 @@ class FavorAttention(nn.Module):
         extra += "" if self.favor_beyond_window else ", nothing beyond the window"
         extra += ", learned" if self.learned else ""
         extra += ", per-head" if self.per_head else ""
+        extra += ", feature bias" if hasattr(self, "feature_bias") else ""
         return (f"kernel={self.kernel!r}, num_features={self.num_features}, head_dim={self.head_dim}, "
                 f"projection={self.projection_kind!r}/{self.norms!r}, chunk_size={self.chunk_size}{extra}")
 

@@ -62,6 +62,9 @@ class PerformerConfig:
                                                                     "attention transfer."})
     per_head_features: bool = field(default=False, metadata={"help": "One projection per attention head instead of "
                                                                      "one per layer (more parameters to learn)."})
+    feature_bias: bool = field(default=False, metadata={"help": "hedgehog only: learned per-feature biases for "
+                                                                "queries and keys, phi(x) = softmax([Wx + b, "
+                                                                "-(Wx + b)]), initialised to zero."})
 
     def __post_init__(self):
         def positive_int(name, value):
@@ -79,7 +82,7 @@ class PerformerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"PerformerConfig.{name} must be a non-negative integer or None, got {value!r}")
-        for name in ("learned_features", "per_head_features", "favor_beyond_window"):
+        for name in ("learned_features", "per_head_features", "favor_beyond_window", "feature_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PerformerConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("kernel", KERNELS), ("projection", PROJECTION_KINDS), ("norms", NORM_KINDS)):
@@ -96,6 +99,9 @@ class PerformerConfig:
             raise ValueError(f"PerformerConfig: kernel={self.kernel!r} is a learned feature map (no estimate of "
                              "softmax until trained); set learned_features=True (--learned-features) and train it with "
                              "attention transfer")
+        if self.feature_bias and self.kernel != "hedgehog":
+            raise ValueError(f"PerformerConfig: feature_bias belongs to the learned hedgehog map, not to kernel="
+                             f"{self.kernel!r}; use kernel='hedgehog' or drop feature_bias")
         if self.learned_features and self.redraw_interval is not None:
             raise ValueError("PerformerConfig: learned features are trained, never redrawn; drop redraw_interval")
 

@@ -53,6 +53,18 @@ def test_convert_writes_a_directory_that_loads_to_the_same_model(bert_dir, tmp_p
     assert no_leftovers(tmp_path)
 
 
+def test_learned_hedgehog_flags_reach_the_saved_model(bert_dir, tmp_path):
+    out = tmp_path / "hedgehog"
+    assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8", "--kernel", "hedgehog",
+                 "--learned-features", "--per-head-features", "--feature-bias"]) == 0
+    loaded = performer_hf.from_pretrained(str(out))
+    settings = performer_hf.performer_settings(loaded.config)
+    assert (settings.kernel, settings.learned_features, settings.per_head_features, settings.feature_bias) == (
+        "hedgehog", True, True, True)
+    favor = next(iter(performer_hf.converted_modules(loaded).values()))
+    assert favor.feature_bias.shape == (2, 4, 8)  # queries and keys, per head (tiny BERT: 4 heads), m = 8
+
+
 def test_model_card_has_hub_metadata_and_the_fidelity(bert_dir, tmp_path):
     out = tmp_path / "card"
     assert main(["convert", bert_dir, "--out", str(out), "--num-features", "8", "--kernel", "favor++"]) == 0

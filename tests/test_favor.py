@@ -283,22 +283,39 @@ def test_bad_projection_arguments_are_named():
         draw_projection(8, 4, norms="unit")
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "feature-bias"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hedgehog_is_a_softmax_feature_map_used_exactly(causal):
-    """phi(x) = softmax([Wx, -Wx]) (up to a constant): every token's features have the same sum, and the kernel
-    computes normalised phi(q) . phi(k) attention exactly; its projection gets correct gradients (the log-sum-exp
-    normaliser is differentiated, not shifted away in place)."""
+def test_hedgehog_is_a_softmax_feature_map_used_exactly(causal, with_bias):
+    """phi(x) = softmax([Wx + b, -(Wx + b)]) (up to a constant), b the query or the key bias: every token's features
+    have the same sum, and the kernel computes normalised phi(q) . phi(k) attention exactly; the projection and the
+    biases get correct gradients (the log-sum-exp normaliser is differentiated, not shifted away in place)."""
     q, k, v = qkv(b=2, length=20, norm=2.0)
     w = proj(8, 16).requires_grad_()
+    bias = (torch.randn(2, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+            if with_bias else torch.zeros(2, 8, dtype=torch.float64)).requires_grad_()
     root = 16**-0.25
-    fq, fk = (materialize(*hedgehog_features(t * root, w)) for t in (q, k))
+    fq, fk = (materialize(*hedgehog_features(t * root, w, b)) for t, b in ((q, bias[0]), (k, bias[1])))
     sums = fk.sum(-1)
     torch.testing.assert_close(sums, torch.full_like(sums, 0.25))  # 1 / sqrt(2m): a constant that cancels
     scores = fq @ fk.mT
     scores = scores.tril() if causal else scores
     reference = scores / scores.sum(-1, keepdim=True) @ v
-    out = favor_attention(q, k, v, projection=w, kernel="hedgehog", causal=causal, chunk_size=8)
+    out = favor_attention(q, k, v, projection=w, kernel="hedgehog", causal=causal, chunk_size=8,
+                          feature_bias=bias if with_bias else None)
     torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-12)
-    grad, = torch.autograd.grad(out.square().sum(), w)
-    expected, = torch.autograd.grad(reference.square().sum(), w)
-    torch.testing.assert_close(grad, expected, rtol=1e-8, atol=1e-10)
+    wrt = (w, bias) if with_bias else (w,)
+    grads = torch.autograd.grad(out.square().sum(), wrt)
+    expected = torch.autograd.grad(reference.square().sum(), wrt)
+    for grad, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-8, atol=1e-10)
+    if with_bias:  # the biases change the attention: a trained bias is not a no-op
+        plain = favor_attention(q, k, v, projection=w, kernel="hedgehog", causal=causal, chunk_size=8)
+        assert (out - plain).abs().max() > 1e-2
+
+
+def test_feature_bias_is_checked():
+    q, k, v = qkv(length=8)
+    with pytest.raises(ValueError, match="belongs to the learned hedgehog map"):
+        favor_attention(q, k, v, projection=proj(8, 16), feature_bias=torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"feature_bias must be \(2, 8\)"):
+        favor_attention(q, k, v, projection=proj(8, 16), kernel="hedgehog", feature_bias=torch.zeros(8))

@@ -126,16 +126,17 @@ def test_kernels_that_do_not_estimate_softmax_are_refused():
                 run(causal, q, k, v, projection(), kernel=kernel, sink_tokens=1, local_window=2)
 
 
-def anchored_reference(q, k, v, w, sinks, window, causal, mask, bias):
+def anchored_reference(q, k, v, w, sinks, window, causal, mask, bias, feature_bias):
     """Hedgehog beside exact weights, written out: exp(q.k) on the exact set; elsewhere exp(a_i + b_h) phi(q).phi(k)
-    with phi = softmax([Wx, -Wx]) and a_i the row's largest exact logit."""
+    with phi = softmax([Wx + c, -(Wx + c)]) (c the query or the key feature bias) and a_i the row's largest exact
+    logit."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     dim = q.shape[-1]
     qs, ks = q * dim**-0.25, k * dim**-0.25
     logits = qs @ ks.transpose(-1, -2)
-    phi = lambda x: torch.cat([x @ w.T, -(x @ w.T)], -1).softmax(-1)  # noqa: E731
-    favor = phi(qs) @ phi(ks).transpose(-1, -2)
+    phi = lambda x, c: torch.cat([x @ w.T + c, -(x @ w.T + c)], -1).softmax(-1)  # noqa: E731
+    favor = phi(qs, feature_bias[0]) @ phi(ks, feature_bias[1]).transpose(-1, -2)
     in_exact, in_favor = key_sets(mask, sinks, window, causal)
     anchor = logits.masked_fill(~in_exact[:, None], float("-inf")).amax(-1, keepdim=True)
     far = favor * (anchor + bias[:, None, None]).exp()
@@ -149,11 +150,12 @@ def test_hedgehog_terms_are_anchored_to_the_rows_largest_exact_logit(causal, sin
     q, k, v = qkv(norm=2.0)
     w = projection()
     bias = torch.tensor([0.3, -0.5, 1.0, 0.0], dtype=torch.float64)  # per head
+    feature_bias = torch.randn(2, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, :6] = False
     out = run(causal, q, k, v, w, kernel="hedgehog", sink_tokens=sinks, local_window=window, key_padding_mask=mask,
-              favor_bias=bias)
-    ref = anchored_reference(q, k, v, w, sinks, window, causal, mask, bias)
+              favor_bias=bias, feature_bias=feature_bias)
+    ref = anchored_reference(q, k, v, w, sinks, window, causal, mask, bias, feature_bias)
     real = mask[:, None, :, None].expand_as(out)
     torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
     # the far context matters: dropping it changes the outputs
@@ -165,7 +167,8 @@ def test_hedgehog_terms_are_anchored_to_the_rows_largest_exact_logit(causal, sin
 def test_hedgehog_with_a_window_steps_equal_one_call_and_has_exact_gradients():
     q, k, v = qkv(length=30)
     w = projection()
-    settings = dict(projection=w, kernel="hedgehog", sink_tokens=2, local_window=5, chunk_size=4)
+    settings = dict(projection=w, kernel="hedgehog", sink_tokens=2, local_window=5, chunk_size=4,
+                    feature_bias=torch.randn(2, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
     whole, state = causal_local_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], **settings)
     outs = [whole]
     for t in range(9, 30):
@@ -177,10 +180,13 @@ def test_hedgehog_with_a_window_steps_equal_one_call_and_has_exact_gradients():
     q, k, v = qkv(batch=1, length=12, norm=1.0)
     w = torch.stack([projection(seed=s) for s in range(4)]).requires_grad_(True)
     bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    feature_bias = (0.5 * torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+                    ).requires_grad_()  # per head, as w
     for causal in (True, False):
         assert torch.autograd.gradcheck(
-            lambda p, b, c=causal: run(c, q, k, v, p, kernel="hedgehog", sink_tokens=1, local_window=3, favor_bias=b),
-            (w, bias))
+            lambda p, b, f, c=causal: run(c, q, k, v, p, kernel="hedgehog", sink_tokens=1, local_window=3,
+                                          favor_bias=b, feature_bias=f),
+            (w, bias, feature_bias))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])

@@ -19,17 +19,22 @@ def rows(out):
 
 
 def projections(model):
-    return {name: m.projection.detach().clone() for name, m in performer_hf.converted_modules(model).items()}
+    """Every converted layer's learned tensors (projection, and hedgehog's feature biases where there are some)."""
+    return {f"{name}.{key}": t.detach().clone() for name, m in performer_hf.converted_modules(model).items()
+            for key, t in m.state_dict().items() if key in ("projection", "feature_bias")}
 
 
 @pytest.mark.parametrize("model_type, local, kernel", [("llama", LOCAL, "favor+"), ("bert", PURE, "favor+"),
                                                       ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog"),
-                                                      ("llama", LOCAL, "hedgehog")],
-                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog"])
+                                                      ("llama", LOCAL, "hedgehog"), ("bert", PURE, "hedgehog+bias")],
+                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog",
+                              "bert-hedgehog-bias"])
 def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel):
     # peaked attention (large init), where random features start far from softmax
+    bias = kernel.endswith("+bias")
+    kernel = kernel.removesuffix("+bias")
     model_dir = converted_dir(tmp_path, model_type, init_range=0.3, learned_features=True, per_head_features=True,
-                              kernel=kernel, **local)
+                              kernel=kernel, feature_bias=bias, **local)
     ids, mask = inputs(batch=4, length=32, seed=5)
     before = layer_errors(performer_hf.from_pretrained(model_dir).base_model, {"input_ids": ids})
     result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "at"), stage="attention", max_steps=40,
@@ -46,6 +51,7 @@ def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, loca
     original = performer_hf.from_pretrained(model_dir).state_dict()
     changed = {k for k, v in trained.state_dict().items() if not torch.equal(v, original[k])}
     assert changed and all(".performer." in k for k in changed)
+    assert not bias or any(k.endswith(".performer.feature_bias") for k in changed)  # the biases trained too
 
 
 def test_attention_transfer_needs_learned_features(tmp_path):
@@ -62,6 +68,8 @@ def test_hedgehog_needs_learned_features_and_takes_the_causal_default_window():
     settings = performer_hf.performer_settings(
         performer_hf.convert(tiny_model("llama"), kernel="hedgehog", learned_features=True).config)
     assert (settings.sink_tokens, settings.local_window) == (4, 128)
+    with pytest.raises(ValueError, match=r"belongs to the learned hedgehog map, not to kernel='favor\+'"):
+        performer_hf.convert(tiny_model("bert"), feature_bias=True)
 
 
 def test_feature_maps_only_end_to_end_trains_nothing_else(tmp_path):
@@ -80,12 +88,16 @@ def test_feature_maps_only_end_to_end_trains_nothing_else(tmp_path):
         FinetuneArgs(out=str(tmp_path / "x"), stage="attention", feature_maps_only=True)
 
 
-def test_learned_features_save_reload_bit_identically_and_are_never_redrawn(tmp_path):
-    model = performer_hf.convert(tiny_model("qwen2"), num_features=16, learned_features=True, **LOCAL)
+@pytest.mark.parametrize("settings", [{}, {"kernel": "hedgehog", "feature_bias": True, "per_head_features": True}],
+                         ids=["favor+", "hedgehog-bias"])
+def test_learned_features_save_reload_bit_identically_and_are_never_redrawn(tmp_path, settings):
+    model = performer_hf.convert(tiny_model("qwen2"), num_features=16, learned_features=True, **LOCAL, **settings)
     favor = next(iter(performer_hf.converted_modules(model).values()))
     assert isinstance(favor.projection, torch.nn.Parameter) and favor.projection.requires_grad
     with torch.no_grad():
         favor.projection.mul_(1.5)  # "trained"
+        if settings:
+            favor.feature_bias.normal_(generator=torch.Generator().manual_seed(0))
     before = projections(model)
     assert performer_hf.redraw_projections(model, torch.Generator().manual_seed(1)) == 0
     assert all(torch.equal(before[k], v) for k, v in projections(model).items())

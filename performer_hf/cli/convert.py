@@ -33,6 +33,7 @@ class Args:
                                                                     "transfer: performer-hf finetune --stage "
                                                                     "attention)"})
     per_head_features: bool = field(default=False, metadata={"help": "one projection per head"})
+    feature_bias: bool = field(default=False, metadata={"help": "hedgehog: learned query and key feature biases"})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside MODEL's directory (or pass "
                                                                   "the .gguf path as MODEL); needs `pip install "
                                                                   "gguf`"})
@@ -61,7 +62,7 @@ def run(args: Args, model: str) -> int:
         settings = PerformerConfig(num_features=args.num_features, kernel=args.kernel, projection=args.projection,
                                    seed=args.seed, sink_tokens=args.sink_tokens, local_window=args.local_window,
                                    learned_features=args.learned_features,
-                                   per_head_features=args.per_head_features)
+                                   per_head_features=args.per_head_features, feature_bias=args.feature_bias)
     except (FileExistsError, ValueError) as err:
         raise UsageError(str(err)) from err
     texts = fidelity.builtin_sentences()

@@ -45,14 +45,17 @@ ANCHORED_KERNELS = ("hedgehog",)
 
 
 def exp_logits(
-    x: torch.Tensor, projection: torch.Tensor, kernel: str, a: torch.Tensor | float | None = None
+    x: torch.Tensor, projection: torch.Tensor, kernel: str, a: torch.Tensor | float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exponential feature maps as phi(x) = exp(u - offset[..., None]) / sqrt(m'), returned as `(u, offset)`.
 
     `u` (..., L, m') carries everything that varies across features and `offset` (..., L) the per-token terms, so
     the attention kernel can subtract stabilisers and exponentiate in place, in one pass. The 1/sqrt(m') is left out:
-    a constant cancels in attention.
+    a constant cancels in attention. `bias` (hedgehog only), `(m,)` or per head `(H, m)`, is added to W x.
     """
+    if bias is not None and kernel != "hedgehog":
+        raise ValueError(f"a feature bias belongs to the learned hedgehog map, not to {kernel!r}")
     if kernel == "favor+":
         return x @ projection.mT, _half_sq_norm(x)  # (..., L, m), (..., L)
     if kernel == "hyperbolic":
@@ -62,6 +65,8 @@ def exp_logits(
         # softmax over [w.x, -w.x]: each token's features sum to one (the per-token normaliser is the offset). The
         # log-sum-exp is taken from wx, not from the concatenation, which the kernel later shifts in place.
         wx = x @ projection.mT
+        if bias is not None:
+            wx = wx + (bias.unsqueeze(-2) if bias.dim() == 2 else bias)  # (H, 1, m) against (..., H, L, m)
         return torch.cat([wx, -wx], dim=-1), torch.logaddexp(wx.logsumexp(-1), (-wx).logsumexp(-1))
     if kernel == "favor++":
         if a is None:
@@ -80,8 +85,8 @@ def exp_logits(
     raise ValueError(f"{kernel!r} is not an exponential feature map; those are {EXP_KERNELS}")
 
 
-def _exp_features(x, projection, kernel, a=None):
-    u, offset = exp_logits(x, projection, kernel, a)
+def _exp_features(x, projection, kernel, a=None, bias=None):
+    u, offset = exp_logits(x, projection, kernel, a, bias)
     base, row_max = _split_log_features(u)
     return base, row_max - offset - 0.5 * math.log(u.shape[-1])
 
@@ -96,11 +101,13 @@ def hyperbolic_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
     return _exp_features(x, projection, "hyperbolic")
 
 
-def hedgehog_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A learned feature map in the manner of Hedgehog (Zhang et al., 2024): phi(x) = softmax([W x, -W x]), 2m
-    columns summing to one. Not an estimator of exp(x . y) for a random W: `W` (per head) must be trained, by
-    attention transfer, to make phi(q) . phi(k) proportional to the softmax weights."""
-    return _exp_features(x, projection, "hedgehog")
+def hedgehog_features(
+    x: torch.Tensor, projection: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned feature map in the manner of Hedgehog (Zhang et al., 2024): phi(x) = softmax([W x + b, -(W x + b)]),
+    2m columns summing to one. Not an estimator of exp(x . y) for a random W: `W` (per head) and the optional bias
+    `b` must be trained, by attention transfer, to make phi(q) . phi(k) proportional to the softmax weights."""
+    return _exp_features(x, projection, "hedgehog", bias=bias)
 
 
 def favor_plus_plus_a(q: torch.Tensor, k: torch.Tensor, q_mask=None, k_mask=None) -> torch.Tensor:

@@ -64,7 +64,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(q, k, v, projection, kernel, key_padding_mask):
+def _check_inputs(q, k, v, projection, kernel, key_padding_mask, feature_bias=None):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -78,6 +78,11 @@ def _check_inputs(q, k, v, projection, kernel, key_padding_mask):
             projection.dim() == 3 and projection.shape[0] != q.shape[1]):
         raise ValueError(f"projection must be (num_features, {q.shape[-1]}) or per head ({q.shape[1]}, num_features, "
                          f"{q.shape[-1]}), got {tuple(projection.shape)}")
+    if feature_bias is not None and kernel != "hedgehog":
+        raise ValueError(f"feature_bias belongs to the learned hedgehog map, not to kernel {kernel!r}")
+    if feature_bias is not None and feature_bias.shape != (2, *projection.shape[:-1]):
+        raise ValueError(f"feature_bias must be (2, {', '.join(map(str, projection.shape[:-1]))}) (query and key "
+                         f"biases of the hedgehog map for this projection), got {tuple(feature_bias.shape)}")
     if key_padding_mask is not None and tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
                          f"got {tuple(key_padding_mask.shape)}")
@@ -117,10 +122,11 @@ class _FeatureMap:
     temporaries out of the allocator (on CPU a fresh 200 MB tensor costs more in page faults than the exp itself).
     """
 
-    def __init__(self, projection, kernel, root, dtype, rep, a):
+    def __init__(self, projection, kernel, root, dtype, rep, a, bias=None):
         # x @ projection.T runs about twice as fast on CPU when projection.T is contiguous
         self.projection = projection.to(dtype=dtype).mT.contiguous().mT
         self.kernel, self.root, self.dtype, self.rep, self.a = kernel, root, dtype, rep, a
+        self.bias = (None, None) if bias is None else tuple(bias.to(dtype))  # hedgehog's query and key biases
         self.exp_family = kernel in EXP_KERNELS
         # Grouped-query attention with one projection and no per-head A: the `rep` query heads of a key/value head
         # see the same key features, so keys, the running sums and the state stay per key/value head (rep x less)
@@ -143,18 +149,22 @@ class _FeatureMap:
         """A key-side (B, Hkv, ...) statistic for every query head (no-op when keys are already per query head)."""
         return repeat_heads(x, self.rep) if self.shares_keys else x
 
+    def logits(self, x: torch.Tensor, is_key: bool = False):
+        """`exp_logits` of already scaled queries or keys, with their own bias."""
+        return exp_logits(x, self.projection, self.kernel, self.a, self.bias[is_key])
+
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         q = self._scaled(q)
         if not self.exp_family:
             return feature_map(q, self.projection, self.kernel)[0]
-        u, _ = exp_logits(q, self.projection, self.kernel, self.a)  # (B, H, C, m')
+        u, _ = self.logits(q)  # (B, H, C, m')
         return _shifted_exp(u, u.detach().amax(dim=-1))
 
     def keys(self, k: torch.Tensor, mask: torch.Tensor | None):
         """`(u, offset, log_scale)`: log_scale = max_f log phi(k_j), -inf for padding, whose offset is +inf."""
         k = self._scaled(k, is_key=True)
         if self.exp_family:
-            u, offset = exp_logits(k, self.projection, self.kernel, self.a)  # (B, H, C, m'), (B, H, C)
+            u, offset = self.logits(k, is_key=True)  # (B, H, C, m'), (B, H, C)
             log_scale = u.detach().amax(dim=-1) - offset.detach()
         else:
             u, log_scale = feature_map(k, self.projection, self.kernel)
@@ -173,7 +183,7 @@ class _FeatureMap:
         return u * scale.unsqueeze(-1)
 
 
-def _prepare(q, k, projection, kernel, scale, key_padding_mask, a):
+def _prepare(q, k, projection, kernel, scale, key_padding_mask, a, feature_bias=None):
     """Check shapes, pick the compute dtype and FAVOR++'s A; return the feature map and the (B, 1, Lk) mask."""
     cdtype = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -186,7 +196,8 @@ def _prepare(q, k, projection, kernel, scale, key_padding_mask, a):
         # self-attention (Lq == Lk): padded queries are the padded keys, and stay out of the statistics too
         q_mask = mask if mask is not None and q.shape[2] == k.shape[2] else None
         a = favor_plus_plus_a(qs, ks, q_mask, mask)
-    return _FeatureMap(projection.to(q.device), kernel, root, cdtype, rep, a), mask
+    bias = None if feature_bias is None else feature_bias.to(q.device)
+    return _FeatureMap(projection.to(q.device), kernel, root, cdtype, rep, a, bias), mask
 
 
 def _values(v, rep, dtype):
@@ -264,6 +275,7 @@ def favor_attention(
     chunk_size: int = 64,
     scale: float | None = None,
     a: torch.Tensor | float | None = None,
+    feature_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Random-feature approximation of `softmax(scale * q k^T) v`.
 
@@ -280,6 +292,8 @@ def favor_attention(
         scale (`float`, *optional*): softmax temperature, defaults to 1/sqrt(D).
         a (`float` or `torch.Tensor` of shape `(B, H)`, *optional*): FAVOR++'s A; by default computed from the
             statistics of the real tokens of this q and k (in causal mode this uses the whole sequence).
+        feature_bias (`torch.Tensor` of shape `(2, m)` or `(2, H, m)`, *optional*): the hedgehog map's learned
+            biases, for queries then keys.
 
     Returns:
         `torch.Tensor` of shape `(B, H, Lq, Dv)` in the dtype of `q`.
@@ -290,14 +304,14 @@ def favor_attention(
         >>> favor_attention(q, k, v, projection=w).shape
         torch.Size([1, 2, 10, 16])
     """
-    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask, feature_bias)
     if causal:
         out, _ = causal_favor_attention(
             q, k, v, projection=projection, kernel=kernel, key_padding_mask=key_padding_mask,
-            chunk_size=chunk_size, scale=scale, a=a,
+            chunk_size=chunk_size, scale=scale, a=a, feature_bias=feature_bias,
         )
         return out
-    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a, feature_bias)
     kv1, running_max = _empty_state(fmap, q, v)
     block = _block_size(q.shape[0] * q.shape[1], fmap.projection.shape[-2])
     for k_c, v_c, mask_c in zip(*_blocks((k, v, mask), block), strict=True):
@@ -319,6 +333,7 @@ def causal_favor_attention(
     scale: float | None = None,
     a: torch.Tensor | float | None = None,
     state: FavorState | None = None,
+    feature_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FavorState]:
     """Causal FAVOR attention continuing from `state` (None: from the start); returns the output and the new state.
 
@@ -327,7 +342,7 @@ def causal_favor_attention(
     is ever formed. A call with one token is the recurrent generation step; prefill followed by steps equals one call
     on the whole sequence. Arguments as in `favor_attention`; `a` is ignored when `state` already carries one.
     """
-    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask, feature_bias)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if q.shape[2] > k.shape[2]:
@@ -342,11 +357,11 @@ def causal_favor_attention(
                                                                 key_padding_mask[:, prefix:])
         _, state = causal_favor_attention(as_queries, k[:, :, :prefix], v[:, :, :prefix], projection=projection,
                                           kernel=kernel, key_padding_mask=masks[0], chunk_size=chunk_size,
-                                          scale=scale, a=a, state=state)
+                                          scale=scale, a=a, state=state, feature_bias=feature_bias)
         k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
     if state is not None and state.a is not None:
         a = state.a
-    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a, feature_bias)
     if state is None:
         kv1, running_max = _empty_state(fmap, q, v)
     else:
@@ -368,8 +383,10 @@ def favor_step(
     projection: torch.Tensor,
     kernel: str = "favor+",
     scale: float | None = None,
+    feature_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FavorState]:
     """One recurrent step of causal FAVOR attention: q, k, v of shape (B, H, 1, D); O(m Dv) work and memory."""
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one token at a time, got {q.shape[2]}")
-    return causal_favor_attention(q, k, v, projection=projection, kernel=kernel, scale=scale, state=state)
+    return causal_favor_attention(q, k, v, projection=projection, kernel=kernel, scale=scale, state=state,
+                                  feature_bias=feature_bias)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .features import ANCHORED_KERNELS, WINDOW_KERNELS, exp_logits
+from .features import ANCHORED_KERNELS, WINDOW_KERNELS
 from .kernel import (
     FavorState,
     _accumulate,
@@ -101,7 +101,7 @@ def _query_terms(fmap, q, favor_bias=None):
     included in log_scale for the estimators of exp(q.k) (in plain FAVOR it cancels; here it must not), plus a
     per-head `favor_bias` (H,)."""
     q = fmap._scaled(q)
-    u, offset = exp_logits(q, fmap.projection, fmap.kernel, fmap.a)  # (B, H, C, m'), (B, H, C)
+    u, offset = fmap.logits(q)  # (B, H, C, m'), (B, H, C)
     top = u.detach().amax(dim=-1)
     log_scale = top - offset
     if fmap.kernel not in ANCHORED_KERNELS:
@@ -187,15 +187,17 @@ def causal_local_attention(
     state: LocalState | None = None,
     favor: bool = True,
     favor_bias: torch.Tensor | None = None,
+    feature_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LocalState]:
     """Causal sink + window + FAVOR attention continuing from `state`; returns the output and the new state.
 
     Arguments as in `causal_favor_attention`, plus `sink_tokens` (S) and `local_window` (W). With S + W at least
     the sequence length this is exact causal softmax attention. `favor=False` drops the keys beyond the sinks and
     the window instead (StreamingLLM's attention; for comparison). `favor_bias` (H,) adds a per-head log-weight to
-    every FAVOR term (learned: how much a head trusts its estimate of the far context).
+    every FAVOR term (learned: how much a head trusts its estimate of the far context); `feature_bias` as in
+    `favor_attention`.
     """
-    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask, feature_bias)
     check_local(kernel, sink_tokens, local_window)
     if q.shape[2] != k.shape[2]:
         if q.shape[2] > k.shape[2]:
@@ -209,11 +211,11 @@ def causal_local_attention(
             repeat_heads(k[:, :, :prefix], q.shape[1] // k.shape[1]), k[:, :, :prefix], v[:, :, :prefix],
             projection=projection, kernel=kernel, sink_tokens=sink_tokens, local_window=local_window,
             key_padding_mask=masks[0], chunk_size=chunk_size, scale=scale, a=a, state=state, favor=favor,
-            favor_bias=favor_bias)
+            favor_bias=favor_bias, feature_bias=feature_bias)
         k, v, key_padding_mask = k[:, :, prefix:], v[:, :, prefix:], masks[1]
     if state is not None and state.favor.a is not None:
         a = state.favor.a
-    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a, feature_bias)
     state = state or _initial_state(fmap, q, k, v, local_window, sink_tokens)
     batch, length = q.shape[0], q.shape[2]
     real = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask[:, 0]
@@ -298,15 +300,16 @@ def local_attention(
     a: torch.Tensor | float | None = None,
     favor: bool = True,
     favor_bias: torch.Tensor | None = None,
+    feature_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional sink + band + FAVOR attention (self-attention: Lq == Lk). Exact weights for the first
     `sink_tokens` real tokens and for keys with |i - j| < `local_window`; FAVOR for the rest (dropped with
     `favor=False`, for comparison)."""
-    _check_inputs(q, k, v, projection, kernel, key_padding_mask)
+    _check_inputs(q, k, v, projection, kernel, key_padding_mask, feature_bias)
     check_local(kernel, sink_tokens, local_window)
     if q.shape[2] != k.shape[2]:
         raise ValueError("local attention is self-attention: queries and keys must have the same length")
-    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a)
+    fmap, mask = _prepare(q, k, projection, kernel, scale, key_padding_mask, a, feature_bias)
     batch, length = q.shape[0], q.shape[2]
     real = torch.ones(batch, length, dtype=torch.bool, device=q.device) if mask is None else mask[:, 0]
     _, is_sink = _sink_ranks(real, torch.zeros(batch, dtype=torch.long, device=q.device), sink_tokens)
