@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .features import EXP_KERNELS, KERNELS, exp_logits, favor_plus_plus_a, feature_map
+from .features import ANCHORED_KERNELS, EXP_KERNELS, KERNELS, exp_logits, favor_plus_plus_a, feature_map
 
 
 @dataclass
@@ -128,6 +128,7 @@ class _FeatureMap:
         self.kernel, self.root, self.dtype, self.rep, self.a = kernel, root, dtype, rep, a
         self.bias = (None, None) if bias is None else tuple(bias.to(dtype))  # hedgehog's query and key biases
         self.exp_family = kernel in EXP_KERNELS
+        self.anchored = kernel in ANCHORED_KERNELS  # beside exact weights: far terms scaled by the row's top logit
         # Grouped-query attention with one projection and no per-head A: the `rep` query heads of a key/value head
         # see the same key features, so keys, the running sums and the state stay per key/value head (rep x less)
         self.shares_keys = rep > 1 and a is None and projection.dim() == 2

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .features import ANCHORED_KERNELS, WINDOW_KERNELS
+from .features import WINDOW_KERNELS
 from .kernel import (
     FavorState,
     _accumulate,
@@ -104,7 +104,7 @@ def _query_terms(fmap, q, favor_bias=None):
     u, offset = fmap.logits(q)  # (B, H, C, m'), (B, H, C)
     top = u.detach().amax(dim=-1)
     log_scale = top - offset
-    if fmap.kernel not in ANCHORED_KERNELS:
+    if not fmap.anchored:
         log_scale = log_scale - math.log(u.shape[-1])
     if favor_bias is not None:
         log_scale = log_scale + favor_bias.to(log_scale.dtype)[:, None]
@@ -274,7 +274,7 @@ def causal_local_attention(
         scores = torch.tril(fmap.times_sums(q_base, k_feat.transpose(-1, -2)), diagonal=lag - local_window)
         favor1 = fmap.times_sums(scores, v1) + fmap.times_sums(q_base, kv1)  # (B, H, c, Dv + 1)
         outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1),
-                                    anchored=fmap.kernel in ANCHORED_KERNELS))
+                                    anchored=fmap.anchored))
         kv1, running_max = kv1 + k_feat.transpose(-1, -2) @ v1, new_max
     out = torch.cat(outputs, dim=2) if outputs else q.new_zeros(*q.shape[:3], v.shape[-1])
     keep = slice(all_k.shape[2] - lag, all_k.shape[2])
@@ -348,5 +348,5 @@ def local_attention(
         favor1 = fmap.times_sums(q_base, kv1) - band_favor  # the band's FAVOR terms taken out of the total
         favor1 = torch.where(favor1[..., -1:] > 0, favor1, 0.0)
         outputs.append(_combine(exact, values, favor1, q_log + fmap.per_query_head(safe_max).unsqueeze(-1),
-                                    anchored=fmap.kernel in ANCHORED_KERNELS))
+                                    anchored=fmap.anchored))
     return torch.cat(outputs, dim=2).to(q.dtype)
