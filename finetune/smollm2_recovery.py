@@ -37,6 +37,7 @@ LOCAL = {"sink_tokens": 4, "local_window": 128}
 LEARNED = {"learned_features": True, "per_head_features": True}
 # a learned Hedgehog map beyond the window (LoLCATs' combination): m=64 per head, 128 features for head dim 64
 HEDGEHOG = {**LEARNED, "kernel": "hedgehog", "num_features": 64}
+HEDGEHOG_BIAS = {**HEDGEHOG, "feature_bias": True}  # + learned query/key feature biases (the MiniLM demo's map)
 HEDGEHOG_TRANSFER = ("attention", {"learning_rate": 3e-2})
 
 # name: (conversion settings, training stages [(stage name, FinetuneArgs overrides)], what it shows)
@@ -51,8 +52,10 @@ ARMS = {
                                  "sinks + window, learned hedgehog map beyond it, attention transfer"),
     "window+hedgehog+transfer+e2e": ({**LOCAL, **HEDGEHOG}, [HEDGEHOG_TRANSFER, ("end-to-end", {})],
                                      "+ end-to-end logit distillation, all weights"),
-    "pure-hedgehog+transfer": ({**PURE, **HEDGEHOG}, [HEDGEHOG_TRANSFER],
-                               "pure learned hedgehog map (no window), attention transfer"),
+    "pure-hedgehog+transfer": ({**PURE, **HEDGEHOG_BIAS}, [HEDGEHOG_TRANSFER],
+                               "pure learned hedgehog map with feature biases (no window), attention transfer"),
+    "pure-hedgehog+transfer+e2e": ({**PURE, **HEDGEHOG_BIAS}, [HEDGEHOG_TRANSFER, ("end-to-end", {})],
+                                   "pure learned hedgehog map with feature biases, attention transfer, end-to-end"),
     "window-only+e2e": ({**LOCAL, "favor_beyond_window": False}, [("end-to-end", {})],
                         "sinks + window alone, the same end-to-end stage (the fair comparison for FAVOR)"),
     "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
