@@ -25,6 +25,7 @@ from performer_hf import fidelity
 
 LEARNED = {"learned_features": True, "per_head_features": True}
 HEDGEHOG = {**LEARNED, "kernel": "hedgehog", "num_features": 128}
+HEDGEHOG_BIAS = {**HEDGEHOG, "feature_bias": True}
 # name: (conversion settings, attention-transfer steps and learning rate, distillation steps, packing of the training
 # text, what it shows). The first arms trained on blocks cut across documents; "document" blocks are [CLS] + one
 # document + [SEP]. Transfer lr: 3e-2 for FAVOR+ (1e-1 diverges), 1e-1 for hedgehog (0.951 after 300 steps, 0.949 at
@@ -37,8 +38,12 @@ ARMS = {
     "transfer-600+distill-300": (LEARNED, 600, 3e-2, 300, "concatenate", "the second demo's recipe, about 3x longer"),
     "doc-transfer-300": (LEARNED, 300, 3e-2, 0, "document", "FAVOR+ transfer on single-document blocks"),
     "hedgehog-transfer-300": (HEDGEHOG, 300, 1e-1, 0, "document", "Hedgehog feature map (m=128), transfer only"),
-    "hedgehog-transfer-300+distill-80": (HEDGEHOG, 300, 1e-1, 80, "document", "the demo recipe (make demo)"),
-    "hedgehog-transfer-600+distill-300": (HEDGEHOG, 600, 1e-1, 300, "document", "the demo recipe, about 3x longer"),
+    "hedgehog-transfer-300+distill-80": (HEDGEHOG, 300, 1e-1, 80, "document", "the earlier demo recipe"),
+    "hedgehog-transfer-600+distill-300": (HEDGEHOG, 600, 1e-1, 300, "document", "the earlier demo recipe, 3x longer"),
+    "hedgehog-bias-transfer-300+distill-80": (HEDGEHOG_BIAS, 300, 1e-1, 80, "document",
+                                              "+ learned feature biases: the demo recipe (make demo)"),
+    "hedgehog-bias-transfer-600+distill-300": (HEDGEHOG_BIAS, 600, 1e-1, 300, "document",
+                                               "the demo recipe, about 3x longer"),
 }
 
 
