@@ -251,8 +251,12 @@ def performer_attention_forward(
 
 def _teacher_forced(favor: FavorAttention, query, key, value, causal, mask, scaling):
     """Calibration and attention transfer: the layer passes on exact attention (so every layer sees the original
-    model's hidden states) and records what its mode asks for."""
-    with torch.no_grad():
+    model's hidden states) and records what its mode asks for. Both the target and the estimate are computed in
+    float32 at least, also under mixed precision (which then speeds up only the rest of the model)."""
+    dtype = query.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        query, key, value = query.float(), key.float(), value.float()
+    with torch.no_grad(), torch.autocast(query.device.type, enabled=False):
         exact = exact_attention(query, key, value, causal=causal, key_padding_mask=mask, scale=scaling)
     if favor.mode == "calibrate":
         favor.record_moments(query.detach(), key.detach(), mask, scaling)
@@ -265,7 +269,7 @@ def _teacher_forced(favor: FavorAttention, query, key, value, causal, mask, scal
         norm = (exact.float() ** 2 * weights).sum().clamp_min(1e-12)
         loss = err / norm  # relative squared error of this layer's attention output
         favor.transfer_loss = loss if favor.transfer_loss is None else favor.transfer_loss + loss
-    return exact.transpose(1, 2).contiguous(), None
+    return exact.to(dtype).transpose(1, 2).contiguous(), None
 
 
 def performer_mask(

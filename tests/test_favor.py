@@ -319,3 +319,49 @@ def test_feature_bias_is_checked():
         favor_attention(q, k, v, projection=proj(8, 16), feature_bias=torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"feature_bias must be \(2, 8\)"):
         favor_attention(q, k, v, projection=proj(8, 16), kernel="hedgehog", feature_bias=torch.zeros(8))
+
+
+@pytest.mark.parametrize("kernel", ["favor+", "hedgehog"])
+@pytest.mark.parametrize("entry", ["favor", "causal", "local", "causal-local"])
+def test_autocast_leaves_the_feature_maps_in_float32(kernel, entry):
+    # under autocast every matmul would run in bf16 whatever its inputs; the kernel's float32 promise must hold
+    from performer_hf.favor import causal_local_attention, local_attention
+
+    q, k, v = (t.float() for t in qkv(length=40, norm=1.5, seed=3))
+    w = proj(16, 16).float()
+    bias = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)) if kernel == "hedgehog" else None
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 33:] = False
+    window = dict(sink_tokens=2, local_window=8)
+    run = {"favor": lambda: favor_attention(q, k, v, projection=w, kernel=kernel, feature_bias=bias,
+                                            key_padding_mask=mask),
+           "causal": lambda: causal_favor_attention(q, k, v, projection=w, kernel=kernel, feature_bias=bias,
+                                                    key_padding_mask=mask, chunk_size=16)[0],
+           "local": lambda: local_attention(q, k, v, projection=w, kernel=kernel, feature_bias=bias,
+                                            key_padding_mask=mask, chunk_size=16, **window),
+           "causal-local": lambda: causal_local_attention(q, k, v, projection=w, kernel=kernel, feature_bias=bias,
+                                                          key_padding_mask=mask, chunk_size=16, **window)[0]}[entry]
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = run()
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_hedgehog_pure_path_equals_the_normalised_map():
+    # the pure kernel normalises hedgehog keys with one softmax; the answer must be phi(q).phi(k)-weighted values
+    q, k, v = qkv(length=24, norm=2.0, seed=4)
+    w = proj(8, 16, seed=2)
+    bias = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[0, 19:] = False
+    root = 16**-0.25
+    phi_q = materialize(*hedgehog_features(q * root, w, bias[0]))
+    phi_k = materialize(*hedgehog_features(k * root, w, bias[1])) * mask[:, None, :, None]
+    weights = phi_q @ phi_k.transpose(-1, -2)
+    for causal in (False, True):
+        ref = weights.tril() if causal else weights
+        ref = (ref @ v) / ref.sum(-1, keepdim=True)
+        out = favor_attention(q, k, v, projection=w, kernel="hedgehog", feature_bias=bias, key_padding_mask=mask,
+                              causal=causal, chunk_size=8)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)

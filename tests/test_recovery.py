@@ -26,19 +26,21 @@ def projections(model):
 
 @pytest.mark.parametrize("model_type, local, kernel", [("llama", LOCAL, "favor+"), ("bert", PURE, "favor+"),
                                                       ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog"),
-                                                      ("llama", LOCAL, "hedgehog"), ("bert", PURE, "hedgehog+bias")],
+                                                      ("llama", LOCAL, "hedgehog"), ("bert", PURE, "hedgehog+bias"),
+                                                      ("llama", LOCAL, "hedgehog+bf16")],
                          ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog",
-                              "bert-hedgehog-bias"])
+                              "bert-hedgehog-bias", "llama-local-hedgehog-bf16"])
 def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel):
     # peaked attention (large init), where random features start far from softmax
     bias = kernel.endswith("+bias")
-    kernel = kernel.removesuffix("+bias")
+    precision = "bf16" if kernel.endswith("+bf16") else "no"  # the model in bf16, targets and maps in float32
+    kernel = kernel.removesuffix("+bias").removesuffix("+bf16")
     model_dir = converted_dir(tmp_path, model_type, init_range=0.3, learned_features=True, per_head_features=True,
                               kernel=kernel, feature_bias=bias, **local)
     ids, mask = inputs(batch=4, length=32, seed=5)
     before = layer_errors(performer_hf.from_pretrained(model_dir).base_model, {"input_ids": ids})
     result = finetune(model_dir, FinetuneArgs(out=str(tmp_path / "at"), stage="attention", max_steps=40,
-                                              **{**QUICK, "learning_rate": 3e-2}))
+                                              mixed_precision=precision, **{**QUICK, "learning_rate": 3e-2}))
     trained = performer_hf.from_pretrained(str(tmp_path / "at"))
     after = layer_errors(trained.base_model, {"input_ids": ids})
     factor = 0.8 if kernel == "favor+" else 0.9  # hedgehog starts from a map that is no estimator: slower at first

@@ -64,9 +64,7 @@ def exp_logits(
     if kernel == "hedgehog":
         # softmax over [w.x, -w.x]: each token's features sum to one (the per-token normaliser is the offset). The
         # log-sum-exp is taken from wx, not from the concatenation, which the kernel later shifts in place.
-        wx = x @ projection.mT
-        if bias is not None:
-            wx = wx + (bias.unsqueeze(-2) if bias.dim() == 2 else bias)  # (H, 1, m) against (..., H, L, m)
+        wx = _hedgehog_projection(x, projection, bias)
         return torch.cat([wx, -wx], dim=-1), torch.logaddexp(wx.logsumexp(-1), (-wx).logsumexp(-1))
     if kernel == "favor++":
         if a is None:
@@ -83,6 +81,20 @@ def exp_logits(
         log_d = 0.25 * d * torch.log(one_minus_4a)
         return x1 @ augmented.transpose(-1, -2), _half_sq_norm(x) - log_d[..., None]
     raise ValueError(f"{kernel!r} is not an exponential feature map; those are {EXP_KERNELS}")
+
+
+def _hedgehog_projection(x, projection, bias=None):
+    wx = x @ projection.mT
+    if bias is not None:
+        wx = wx + (bias.unsqueeze(-2) if bias.dim() == 2 else bias)  # (H, 1, m) against (..., H, L, m)
+    return wx
+
+
+def hedgehog_logits(x: torch.Tensor, projection: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[W x + b, -(W x + b)] (..., L, 2m): the hedgehog map is the softmax of these over the last dimension. Without
+    `exp_logits`' per-token normaliser, for callers that normalise with one fused softmax instead."""
+    wx = _hedgehog_projection(x, projection, bias)
+    return torch.cat([wx, -wx], dim=-1)
 
 
 def _exp_features(x, projection, kernel, a=None, bias=None):

@@ -5,21 +5,31 @@
 computed as phi(Q) (phi(K)^T V) and phi(Q) (phi(K)^T 1), never forming the (Lq, Lk) matrix outside a causal chunk.
 
 Numerics: feature maps and sums run in float32 (float64 stays float64) whatever the input dtype, and the output is cast
-back. Each feature row is split into a bounded base and a log scale (see `features`): a query row's scale cancels
-between numerator and denominator, and keys are stabilised by subtracting the maximum log scale over the real keys
-(features and sequence), a constant that cancels too. Padded keys get zero features, so they count neither in the
-numerator nor in the normaliser. In the causal form the key maximum is a running one, carried with the state and
-rescaled as it grows, so results never depend on future tokens and a one-token step is the same computation.
+back; autocast (`--mixed-precision`) is switched off inside, or it would run the feature matmuls in bf16/fp16 anyway.
+Each feature row is split into a bounded base and a log scale (see `features`): a query row's scale cancels between
+numerator and denominator, and keys are stabilised by subtracting the maximum log scale over the real keys (features
+and sequence), a constant that cancels too. Padded keys get zero features, so they count neither in the numerator nor
+in the normaliser. In the causal form the key maximum is a running one, carried with the state and rescaled as it
+grows, so results never depend on future tokens and a one-token step is the same computation.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .features import ANCHORED_KERNELS, EXP_KERNELS, KERNELS, exp_logits, favor_plus_plus_a, feature_map
+from .features import (
+    ANCHORED_KERNELS,
+    EXP_KERNELS,
+    KERNELS,
+    exp_logits,
+    favor_plus_plus_a,
+    feature_map,
+    hedgehog_logits,
+)
 
 
 @dataclass
@@ -58,6 +68,20 @@ class FavorState:
 def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     """(B, Hkv, ...) -> (B, Hkv * rep, ...): each key/value head once per query head it serves."""
     return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+
+def full_precision(attention):
+    """Run `attention(q, ...)` with autocast off for q's device: its casts to the compute dtype must hold (under
+    autocast every matmul would run in bf16/fp16 whatever its inputs, and exponentiated features lose digits)."""
+
+    @functools.wraps(attention)
+    def wrapper(q, *args, **kwargs):
+        if not torch.is_autocast_enabled(q.device.type):
+            return attention(q, *args, **kwargs)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q, *args, **kwargs)
+
+    return wrapper
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -158,8 +182,22 @@ class _FeatureMap:
         q = self._scaled(q)
         if not self.exp_family:
             return feature_map(q, self.projection, self.kernel)[0]
-        u, _ = self.logits(q)  # (B, H, C, m')
+        if self.kernel == "hedgehog":  # the per-token normaliser cancels: no log-sum-exp
+            u = hedgehog_logits(q, self.projection, self.bias[0])
+        else:
+            u, _ = self.logits(q)  # (B, H, C, m')
         return _shifted_exp(u, u.detach().amax(dim=-1))
+
+    def normalised_keys(self, k: torch.Tensor, mask: torch.Tensor | None):
+        """hedgehog: `(phi(k), log_scale)` with phi(k) one fused softmax over features, bounded by one, so no
+        stabiliser is needed: log_scale is 0 for real keys and -inf for padding (whose features are zero)."""
+        k = self._scaled(k, is_key=True)
+        features = torch.softmax(hedgehog_logits(k, self.projection, self.bias[1]), dim=-1)  # (B, H, C, 2m)
+        log_scale = features.new_zeros(features.shape[:-1])
+        if mask is not None:
+            features = features.masked_fill(~mask.unsqueeze(-1), 0.0)
+            log_scale = log_scale.masked_fill(~mask, float("-inf"))
+        return features, log_scale
 
     def keys(self, k: torch.Tensor, mask: torch.Tensor | None):
         """`(u, offset, log_scale)`: log_scale = max_f log phi(k_j), -inf for padding, whose offset is +inf."""
@@ -222,11 +260,15 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
 
     With `causal_q` (the block's query features), also return the block's causal outputs.
     """
-    u, offset, log_scale = fmap.keys(k_c, mask_c)
+    if fmap.kernel == "hedgehog":
+        k_feat, log_scale = fmap.normalised_keys(k_c, mask_c)  # bounded: the maximum stays 0 (or -inf)
+    else:
+        u, offset, log_scale = fmap.keys(k_c, mask_c)
     new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
     safe_max = _finite_or(new_max, 0.0)
     rescale = (_finite_or(running_max, safe_max) - safe_max).exp()  # shrink the carried sums to the new max
-    k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, C, m')
+    if fmap.kernel != "hedgehog":
+        k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, C, m')
     v1 = _values(v_c, fmap.key_rep, fmap.dtype)  # (B, H or Hkv, C, Dv + 1)
     kv1 = kv1 * rescale[..., None, None]
     out = None
@@ -264,6 +306,7 @@ def _empty_state(fmap, q, v):
     return kv1, torch.full((batch, heads), float("-inf"), dtype=fmap.dtype, device=q.device)
 
 
+@full_precision
 def favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -322,6 +365,7 @@ def favor_attention(
     return torch.cat(outputs, dim=2).to(q.dtype)  # (B, H, Lq, Dv)
 
 
+@full_precision
 def causal_favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,

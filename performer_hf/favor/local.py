@@ -47,6 +47,7 @@ from .kernel import (
     _prepare,
     _state_a,
     _values,
+    full_precision,
     repeat_heads,
 )
 
@@ -171,6 +172,7 @@ def _initial_state(fmap, q, k, v, window, sinks):
                       torch.zeros(batch, sinks, dtype=torch.long, device=q.device), falses(batch, sinks), 0)
 
 
+@full_precision
 def causal_local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,6 +287,7 @@ def causal_local_attention(
     return out.to(q.dtype), new_state
 
 
+@full_precision
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
