@@ -214,6 +214,21 @@ def test_builtin_corpus_is_english_prose_and_stable():
     assert all(len(p.split()) >= 8 and ">>>" not in p for p in corpus)
 
 
+def test_prose_corpus_is_shipped_everyday_english_split_by_document():
+    from performer_hf.corpus import PROSE_FILE, corpus_fingerprint, corpus_split
+
+    train, valid = corpus_split("prose", 5)
+    assert len(train) > 1500 and 0.02 < len(valid) / (len(train) + len(valid)) < 0.08
+    assert not set(train) & set(valid) and (train, valid) == corpus_split("prose", 5)
+    words = [w.strip(".,!?;:'\"").lower() for p in train for w in p.split()]
+    common = sum(w in {"the", "a", "and", "of", "to", "in", "is", "it"} for w in words) / len(words)
+    assert common > 0.15 and all(len(p.split()) >= 12 for p in train)  # sentences, not code or word lists
+    assert not any(marker in p for p in train for marker in ("def ", ">>>", "import ", "<|"))
+    assert len(corpus_fingerprint("prose")) == 12 and PROSE_FILE.stat().st_size < 2_000_000
+    with pytest.raises(ValueError, match="corpus"):
+        FinetuneArgs(out="x", corpus="poetry")
+
+
 def test_accelerate_launch_two_processes(tmp_path):
     model_dir = converted_dir(tmp_path, "gpt2")
     launcher = Path(sys.executable).parent / "accelerate"

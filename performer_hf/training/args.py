@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..corpus import CORPORA
+
 
 def _help(text: str, **extra) -> dict:
     return {"help": text, **extra}
@@ -51,8 +53,9 @@ class FinetuneArgs:
     dataset: str | None = field(default=None, metadata=_help("Hub dataset name (default: the built-in corpus)"))
     corpus: str = field(default="installed", metadata=_help(
         "built-in corpus when no dataset or file is given: installed (docstrings and descriptions of everything "
-        "installed, ~9 MB, cached after a first build of about a minute) or stdlib (240 kB, quick)",
-        choices=["installed", "stdlib"]))
+        "installed, ~9 MB, cached after a first build of about a minute), stdlib (240 kB, quick) or prose "
+        "(everyday-English paragraphs shipped with the package, for models that embed or read plain text)",
+        choices=list(CORPORA)))
     dataset_config: str | None = field(default=None, metadata=_help("Hub dataset configuration"))
     train_file: str | None = field(default=None, metadata=_help("local training data: text, json, jsonl, csv, "
                                                                  "parquet"))
@@ -118,6 +121,8 @@ class FinetuneArgs:
             raise ValueError(f"--out {self.out} is a file; pass a directory")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"FinetuneArgs.mlm_probability must be in (0, 1), got {self.mlm_probability}")
+        if self.corpus not in CORPORA:
+            raise ValueError(f"--corpus must be one of {', '.join(CORPORA)}, got {self.corpus!r}")
         if self.dataset and self.train_file:
             raise ValueError("give either --dataset or --train-file, not both")
         if self.teacher and not self.distill:
