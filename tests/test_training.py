@@ -229,6 +229,26 @@ def test_prose_corpus_is_shipped_everyday_english_split_by_document():
         FinetuneArgs(out="x", corpus="poetry")
 
 
+def test_demo_reruns_into_its_own_output_and_refuses_anything_else(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("minilm_demo", Path(__file__).parents[1] / "finetune" /
+                                                  "minilm_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    out = tmp_path / "demo"
+    demo.claim_output(out)
+    (out / "transfer").mkdir()
+    (out / "transfer" / "metrics.jsonl").write_text("{}\n")  # a first run, perhaps interrupted
+    demo.claim_output(out)  # `make demo` twice: the second run starts clean
+    assert [p.name for p in out.iterdir()] == [demo.DEMO_MARK]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="not written by this demo"):
+        demo.claim_output(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
 def test_accelerate_launch_two_processes(tmp_path):
     model_dir = converted_dir(tmp_path, "gpt2")
     launcher = Path(sys.executable).parent / "accelerate"
