@@ -39,6 +39,9 @@ LEARNED = {"learned_features": True, "per_head_features": True}
 HEDGEHOG = {**LEARNED, "kernel": "hedgehog", "num_features": 64}
 HEDGEHOG_BIAS = {**HEDGEHOG, "feature_bias": True}  # + learned query/key feature biases (the MiniLM demo's map)
 HEDGEHOG_TRANSFER = ("attention", {"learning_rate": 3e-2})
+# the model's own matmuls in bf16 (the attention maps and the transfer targets stay float32)
+BF16_TRANSFER = ("attention", {"learning_rate": 3e-2, "mixed_precision": "bf16"})
+BF16_E2E = ("end-to-end", {"mixed_precision": "bf16"})
 
 # name: (conversion settings, training stages [(stage name, FinetuneArgs overrides)], what it shows)
 ARMS = {
@@ -60,6 +63,10 @@ ARMS = {
                         "sinks + window alone, the same end-to-end stage (the fair comparison for FAVOR)"),
     "pure-favor+transfer+e2e": ({**PURE, **LEARNED}, [("attention", {}), ("end-to-end", {})],
                                 "pure FAVOR, attention transfer, end-to-end"),
+    "bf16-window+hedgehog-bias+transfer": ({**LOCAL, **HEDGEHOG_BIAS}, [BF16_TRANSFER],
+                                           "window + hedgehog with feature biases, transfer in bf16"),
+    "bf16-window+hedgehog-bias+transfer+e2e": ({**LOCAL, **HEDGEHOG_BIAS}, [BF16_TRANSFER, BF16_E2E],
+                                               "window + hedgehog with feature biases, both stages in bf16"),
 }
 
 

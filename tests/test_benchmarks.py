@@ -49,5 +49,5 @@ def test_recovery_notebook_executes_and_shows_its_tables(tmp_path, monkeypatch):
     NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     text = "".join(str(output.get("data", {}).get("text/markdown", "")) for cell in notebook.cells
                    for output in cell.get("outputs", []))
-    assert "| arm | what | training blocks | cosine |" in text and "| arm | ppl 512 |" in text
+    assert "| arm | what | training text | blocks | cosine, everyday |" in text and "| arm | ppl 512 |" in text
     assert (tmp_path / "minilm_recovery.png").stat().st_size > 5_000
