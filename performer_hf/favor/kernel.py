@@ -260,6 +260,7 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
 
     With `causal_q` (the block's query features), also return the block's causal outputs.
     """
+    k_feat = None
     if fmap.kernel == "hedgehog":
         k_feat, log_scale = fmap.normalised_keys(k_c, mask_c)  # bounded: the maximum stays 0 (or -inf)
     else:
@@ -267,7 +268,7 @@ def _accumulate(fmap, k_c, v_c, mask_c, kv1, running_max, causal_q=None):
     new_max = torch.maximum(running_max, log_scale.amax(dim=-1))  # (B, H)
     safe_max = _finite_or(new_max, 0.0)
     rescale = (_finite_or(running_max, safe_max) - safe_max).exp()  # shrink the carried sums to the new max
-    if fmap.kernel != "hedgehog":
+    if k_feat is None:
         k_feat = fmap.stabilised(u, offset, safe_max)  # (B, H or Hkv, C, m')
     v1 = _values(v_c, fmap.key_rep, fmap.dtype)  # (B, H or Hkv, C, Dv + 1)
     kv1 = kv1 * rescale[..., None, None]
